@@ -1,0 +1,12 @@
+import os
+
+import pytest
+import torch
+
+# Deterministic, small thread count: the test machine has 2 cores and tests compare numbers exactly.
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)

@@ -1,7 +1,29 @@
 """kda-hybrid: Kimi Delta Attention hybrid language models for Hugging Face transformers."""
 
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+from .cache_kda_hybrid import KDAHybridCache
+from .configuration_kda_hybrid import KDAHybridConfig
 from .kda_ops import chunk_kda, fused_recurrent_kda, triton_available
+from .modeling_kda_hybrid import KDAHybridForCausalLM, KDAHybridModel, KDAHybridPreTrainedModel
 
 __version__ = "0.1.0"
 
-__all__ = ["chunk_kda", "fused_recurrent_kda", "triton_available"]
+AutoConfig.register(KDAHybridConfig.model_type, KDAHybridConfig, exist_ok=True)
+AutoModel.register(KDAHybridConfig, KDAHybridModel, exist_ok=True)
+AutoModelForCausalLM.register(KDAHybridConfig, KDAHybridForCausalLM, exist_ok=True)
+# save_pretrained writes auto_map and copies the (flat) modules, so checkpoints load with trust_remote_code
+KDAHybridConfig.register_for_auto_class()
+KDAHybridModel.register_for_auto_class("AutoModel")
+KDAHybridForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+
+__all__ = [
+    "KDAHybridCache",
+    "KDAHybridConfig",
+    "KDAHybridForCausalLM",
+    "KDAHybridModel",
+    "KDAHybridPreTrainedModel",
+    "chunk_kda",
+    "fused_recurrent_kda",
+    "triton_available",
+]

@@ -1,0 +1,645 @@
+"""KDA hybrid causal LM (the Kimi Linear architecture) for transformers.
+
+Layers (DESIGN.md §2-§4): KDA delta-rule linear attention in most layers, full attention (NoPE MLA, or GQA
+with RoPE) every few layers, dense SwiGLU or DeepSeek-V3-style MoE MLPs. Parameter names follow the original
+Kimi-Linear checkpoint so that conversion is renaming only.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .cache_kda_hybrid import KDAHybridCache, KDALayerState, KVLayerState, _Segment, shift_conv_state
+from .configuration_kda_hybrid import KDAHybridConfig
+from .kda_ops import chunk_kda, fused_recurrent_kda
+
+MLA_NORM_EPS = 1e-6  # kv_a_layernorm / q_a_layernorm epsilon of the Kimi-Linear MLA (not rms_norm_eps)
+
+
+class KDAHybridRMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * x.to(dtype)
+
+
+class KDAHybridGatedRMSNorm(nn.Module):
+    """RMSNorm over each head's V channels (one weight [V] shared by heads) times sigmoid(gate), in fp32."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (self.weight.float() * x * torch.sigmoid(gate.float())).to(dtype)
+
+
+def _keep_fp32(module: nn.Module, names: tuple[str, ...]):
+    for name in names:
+        p = getattr(module, name)
+        if p.is_floating_point() and p.dtype != torch.float32:
+            p.data = p.data.float()
+
+
+# ------------------------------------------------------------------------------------------------------
+# KDA
+# ------------------------------------------------------------------------------------------------------
+
+
+def _compaction(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a [B, T] real-token mask: the permutation that moves each row's real tokens to the front (in order)
+    and its inverse. Padding then sits after every real token, where it can change no state."""
+    perm = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)
+    return perm, torch.argsort(perm, dim=1)
+
+
+def _gather_tokens(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    return x.gather(1, perm.view(*perm.shape, *([1] * (x.dim() - 2))).expand_as(x))
+
+
+class KDAHybridDeltaAttention(nn.Module):
+    """Kimi Delta Attention layer (DESIGN.md §2)."""
+
+    def __init__(self, config: KDAHybridConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = H = config.linear_num_heads
+        self.head_dim = K = config.linear_head_dim
+        self.conv_size = config.linear_conv_kernel_size
+        D = config.hidden_size
+        self.q_proj = nn.Linear(D, H * K, bias=False)
+        self.k_proj = nn.Linear(D, H * K, bias=False)
+        self.v_proj = nn.Linear(D, H * K, bias=False)
+        self.q_conv1d = nn.Conv1d(H * K, H * K, self.conv_size, groups=H * K, bias=False)
+        self.k_conv1d = nn.Conv1d(H * K, H * K, self.conv_size, groups=H * K, bias=False)
+        self.v_conv1d = nn.Conv1d(H * K, H * K, self.conv_size, groups=H * K, bias=False)
+        self.A_log = nn.Parameter(torch.zeros(1, 1, H, 1, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.zeros(H * K, dtype=torch.float32))
+        self.f_a_proj = nn.Linear(D, K, bias=False)
+        self.f_b_proj = nn.Linear(K, H * K, bias=False)
+        self.b_proj = nn.Linear(D, H, bias=False)
+        self.g_a_proj = nn.Linear(D, K, bias=False)
+        self.g_b_proj = nn.Linear(K, H * K, bias=False)
+        self.o_norm = KDAHybridGatedRMSNorm(K, eps=config.rms_norm_eps)
+        self.o_proj = nn.Linear(H * K, D, bias=False)
+
+    def _apply(self, fn, recurse=True):  # A_log and dt_bias stay fp32 through .to(dtype) / .half()
+        super()._apply(fn, recurse)
+        _keep_fp32(self, ("A_log", "dt_bias"))
+        return self
+
+    def _conv(self, conv: nn.Conv1d, x: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """Causal depthwise conv + SiLU. x: [B, C, T], state: [B, C, kernel - 1] (the inputs before x)."""
+        full = torch.cat((state.to(x.dtype), x), dim=-1)
+        return F.silu(F.conv1d(full, conv.weight, groups=conv.weight.shape[0]))
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        token_mask: torch.Tensor | None = None,
+        cache_layer: KDALayerState | None = None,
+    ) -> torch.Tensor:
+        """hidden_states [B, T, D]; token_mask [B, T] bool (False = padding) or None."""
+        B, T, _ = hidden_states.shape
+        H, K = self.num_heads, self.head_dim
+        perm = inv = None
+        if token_mask is not None:
+            perm, inv = _compaction(token_mask)
+            hidden_states = _gather_tokens(hidden_states, perm)
+            n_real = token_mask.sum(1)
+            real = torch.arange(T, device=n_real.device) < n_real[:, None]  # [B, T] after compaction
+        else:
+            n_real = torch.full((B,), T, dtype=torch.long, device=hidden_states.device)
+            real = None
+        x = hidden_states
+
+        has_state = cache_layer is not None and cache_layer.is_initialized
+        width = self.conv_size - 1
+        if has_state:
+            conv_before = cache_layer.conv_states
+            state = cache_layer.recurrent_state
+        else:
+            conv_before = [x.new_zeros(B, H * K, width) for _ in range(3)]
+            state = None
+
+        conv_inputs = [proj(x).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj)]  # [B, C, T]
+        q, k, v = (
+            self._conv(conv, xi, s).transpose(1, 2).reshape(B, T, H, K)  # [B, T, H, K]
+            for conv, xi, s in zip((self.q_conv1d, self.k_conv1d, self.v_conv1d), conv_inputs, conv_before)
+        )
+        g = F.softplus(self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float())  # [B, T, H*K]
+        g = -self.A_log.float().exp() * g.view(B, T, H, K)  # [B, T, H, K] log decay <= 0
+        beta = torch.sigmoid(self.b_proj(x).float())  # [B, T, H]
+        if real is not None:  # padding (compacted to the tail) neither decays nor writes the state
+            g = g * real[..., None, None]
+            beta = beta * real[..., None]
+
+        recording = cache_layer is not None and cache_layer.record_past
+        if recording:
+            state_before = state.clone() if state is not None else q.new_zeros(B, H, K, K, dtype=torch.float32)
+            cache_layer.record(_Segment(
+                conv_before=[c.clone() for c in conv_before], state_before=state_before,
+                conv_inputs=[c.detach() for c in conv_inputs], q=q.detach(), k=k.detach(), v=v.detach(),
+                g=g.detach(), beta=beta.detach(),
+                mask=token_mask if token_mask is not None else torch.ones(B, T, dtype=torch.bool, device=x.device),
+            ))
+        kw = dict(initial_state=state, output_final_state=cache_layer is not None, use_qk_l2norm_in_kernel=True)
+        if has_state and T == 1:  # decode: one recurrent step updating the cached state in place
+            o, state = fused_recurrent_kda(q, k, v, g, beta, inplace_final_state=not recording, **kw)
+        else:
+            o, state = chunk_kda(q, k, v, g, beta, **kw)
+
+        if cache_layer is not None:
+            cache_layer.conv_states = [shift_conv_state(c, xi, n_real) for c, xi in zip(conv_before, conv_inputs)]
+            cache_layer.recurrent_state = state
+
+        gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, H, K)
+        o = self.o_norm(o, gate).reshape(B, T, H * K)  # [B, T, H*V]
+        o = self.o_proj(o)
+        if inv is not None:
+            o = _gather_tokens(o, inv) * token_mask[..., None]
+        return o
+
+
+# ------------------------------------------------------------------------------------------------------
+# Full attention: MLA (Kimi Linear, NoPE) and GQA (RoPE)
+# ------------------------------------------------------------------------------------------------------
+
+
+def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """query [B, H, Tq, D], key/value [B, H_kv, Tk, D] -> ([B, Tq, H, Dv], weights)."""
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+        else:
+            scores = scores + attention_mask
+    weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = F.dropout(weights, p=dropout, training=module.training)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+def _attention_interface(config) -> Callable:
+    impl = config._attn_implementation or "eager"
+    return eager_attention_forward if impl == "eager" else ALL_ATTENTION_FUNCTIONS[impl]
+
+
+class KDAHybridMLAttention(nn.Module):
+    """Multi-head latent attention without positional encoding (Kimi Linear, DESIGN.md §3). The cache holds
+    the normalised latent and the shared key part, not per-head keys and values."""
+
+    def __init__(self, config: KDAHybridConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_key_value_groups = 1
+        self.qk_nope_head_dim = config.qk_nope_head_dim
+        self.qk_rope_head_dim = config.qk_rope_head_dim
+        self.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+        self.v_head_dim = config.v_head_dim
+        self.kv_lora_rank = config.kv_lora_rank
+        self.q_lora_rank = config.q_lora_rank
+        self.is_causal = True
+        self.scaling = self.qk_head_dim**-0.5
+        D, Hq = config.hidden_size, self.num_heads
+        if self.q_lora_rank is None:
+            self.q_proj = nn.Linear(D, Hq * self.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(D, self.q_lora_rank, bias=config.attention_bias)
+            self.q_a_layernorm = KDAHybridRMSNorm(self.q_lora_rank, eps=MLA_NORM_EPS)
+            self.q_b_proj = nn.Linear(self.q_lora_rank, Hq * self.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(D, self.kv_lora_rank + self.qk_rope_head_dim, bias=config.attention_bias)
+        self.kv_a_layernorm = KDAHybridRMSNorm(self.kv_lora_rank, eps=MLA_NORM_EPS)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, Hq * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(Hq * self.v_head_dim, D, bias=config.attention_bias)
+
+    def forward(self, hidden_states, attention_mask=None, cache_layer: KVLayerState | None = None, **kwargs):
+        B, T, _ = hidden_states.shape
+        if self.q_lora_rank is None:
+            q = self.q_proj(hidden_states)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+        q = q.view(B, T, self.num_heads, self.qk_head_dim).transpose(1, 2)  # [B, H, T, Dqk]
+        latent, k_rot = self.kv_a_proj_with_mqa(hidden_states).split([self.kv_lora_rank, self.qk_rope_head_dim], -1)
+        latent = self.kv_a_layernorm(latent).unsqueeze(1)  # [B, 1, T, r]
+        k_rot = k_rot.unsqueeze(1)  # [B, 1, T, rope]
+        if cache_layer is not None:
+            latent, k_rot = cache_layer.update(latent, k_rot)
+        Tk = latent.shape[2]
+        kv = self.kv_b_proj(latent.squeeze(1)).view(B, Tk, self.num_heads, -1).transpose(1, 2)
+        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)  # [B, H, Tk, .]
+        k = torch.cat((k_nope, k_rot.expand(-1, self.num_heads, -1, -1)), dim=-1)
+        out, _ = _attention_interface(self.config)(
+            self, q, k, v, attention_mask, dropout=self.config.attention_dropout if self.training else 0.0,
+            scaling=self.scaling, **kwargs,
+        )
+        return self.o_proj(out.reshape(B, T, -1))
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class KDAHybridRotaryEmbedding(nn.Module):
+    def __init__(self, config: KDAHybridConfig):
+        super().__init__()
+        dim = config.head_dim
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor):
+        freqs = position_ids[..., None].float() * self.inv_freq.float().to(x.device)  # [B, T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+class KDAHybridAttention(nn.Module):
+    """Grouped-query attention with RoPE (the option for small and Llama-derived models)."""
+
+    def __init__(self, config: KDAHybridConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.num_key_value_groups = self.num_heads // self.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scaling = self.head_dim**-0.5
+        self.is_causal = True
+        D = config.hidden_size
+        self.q_proj = nn.Linear(D, self.num_heads * self.head_dim, bias=config.attention_bias)
+        self.k_proj = nn.Linear(D, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
+        self.v_proj = nn.Linear(D, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, D, bias=config.attention_bias)
+
+    def forward(self, hidden_states, attention_mask=None, cache_layer: KVLayerState | None = None,
+                position_embeddings=None, **kwargs):
+        B, T, _ = hidden_states.shape
+        q = self.q_proj(hidden_states).view(B, T, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(hidden_states).view(B, T, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(B, T, -1, self.head_dim).transpose(1, 2)
+        cos, sin = position_embeddings
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        if cache_layer is not None:
+            k, v = cache_layer.update(k, v)
+        out, _ = _attention_interface(self.config)(
+            self, q, k, v, attention_mask, dropout=self.config.attention_dropout if self.training else 0.0,
+            scaling=self.scaling, **kwargs,
+        )
+        return self.o_proj(out.reshape(B, T, -1))
+
+
+# ------------------------------------------------------------------------------------------------------
+# MLP and MoE
+# ------------------------------------------------------------------------------------------------------
+
+
+class KDAHybridMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class KDAHybridExpert(nn.Module):
+    """One routed expert, named as in the Kimi-Linear checkpoint: w1 gate, w3 up, w2 down."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.w1 = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.w2 = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.w3 = nn.Linear(hidden_size, intermediate_size, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class KDAHybridRouter(nn.Module):
+    """Sigmoid top-k router with a score-correction bias (DeepSeek-V3 'noaux_tc', DESIGN.md §4), in fp32."""
+
+    def __init__(self, config: KDAHybridConfig):
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.routed_scaling_factor = config.routed_scaling_factor
+        self.weights_from_biased_scores = config.router_weights_from_biased_scores
+        self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden_size, dtype=torch.float32))
+        self.e_score_correction_bias = nn.Parameter(
+            torch.zeros(config.num_experts, dtype=torch.float32), requires_grad=False
+        )
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        _keep_fp32(self, ("weight", "e_score_correction_bias"))
+        return self
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, D] -> (expert indices [N, k], routing weights [N, k] fp32)."""
+        scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))  # [N, E]
+        biased = scores + self.e_score_correction_bias.float()
+        idx = torch.topk(biased, self.top_k, dim=-1, sorted=False).indices
+        # Kimi's Hub code gathers from the biased scores; vLLM and transformers from the unbiased ones
+        weights = (biased if self.weights_from_biased_scores else scores).gather(1, idx)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return idx, weights * self.routed_scaling_factor
+
+
+class KDAHybridMoE(nn.Module):
+    def __init__(self, config: KDAHybridConfig):
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.gate = KDAHybridRouter(config)
+        self.experts = nn.ModuleList(
+            KDAHybridExpert(config.hidden_size, config.moe_intermediate_size) for _ in range(config.num_experts)
+        )
+        self.shared_experts = (
+            KDAHybridMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+            if config.n_shared_experts else None
+        )
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])  # [N, D]
+        idx, weights = self.gate(x)
+        out = torch.zeros_like(x)
+        flat = idx.flatten()
+        order = flat.argsort(stable=True)  # token slots grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        token_of_slot = order // idx.shape[1]
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            slots = order[start : start + n]
+            tokens = token_of_slot[start : start + n]
+            y = self.experts[e](x[tokens]) * weights.flatten()[slots, None].to(x.dtype)
+            out.index_add_(0, tokens, y)
+            start += n
+        out = out.view(shape)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(hidden_states)
+        return out
+
+
+# ------------------------------------------------------------------------------------------------------
+# Decoder
+# ------------------------------------------------------------------------------------------------------
+
+
+class KDAHybridDecoderLayer(GradientCheckpointingLayer):
+    def __init__(self, config: KDAHybridConfig, layer_idx: int):
+        super().__init__()
+        self.layer_type = config.layer_types[layer_idx]
+        if self.layer_type == "linear_attention":
+            self.self_attn = KDAHybridDeltaAttention(config, layer_idx)
+        elif config.attention_type == "mla":
+            self.self_attn = KDAHybridMLAttention(config, layer_idx)
+        else:
+            self.self_attn = KDAHybridAttention(config, layer_idx)
+        if config.is_moe_layer(layer_idx):
+            self.block_sparse_moe = KDAHybridMoE(config)
+        else:
+            self.mlp = KDAHybridMLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = KDAHybridRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = KDAHybridRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden_states, attention_mask=None, token_mask=None, cache=None, position_embeddings=None,
+                **kwargs):
+        layer_idx = self.self_attn.layer_idx
+        cache_layer = cache.layers[layer_idx] if cache is not None else None
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        if self.layer_type == "linear_attention":
+            hidden_states = self.self_attn(hidden_states, token_mask=token_mask, cache_layer=cache_layer)
+        else:
+            hidden_states = self.self_attn(hidden_states, attention_mask=attention_mask, cache_layer=cache_layer,
+                                           position_embeddings=position_embeddings)
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        mlp = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
+        return residual + mlp(hidden_states)
+
+
+class KDAHybridPreTrainedModel(PreTrainedModel):
+    config_class = KDAHybridConfig
+    config: KDAHybridConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["KDAHybridDecoderLayer"]
+    _supports_sdpa = True
+    _supports_flash_attn = False
+    _supports_attention_backend = True
+    _is_stateful = False  # crop() rolls KDA states back exactly, so assisted decoding is allowed
+    _keep_in_fp32_modules_strict = ["A_log", "dt_bias", "e_score_correction_bias", "gate.weight"]
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            module.weight.normal_(0.0, std)
+            if module.bias is not None:
+                module.bias.zero_()
+        elif isinstance(module, nn.Embedding):
+            module.weight.normal_(0.0, std)
+        elif isinstance(module, nn.Conv1d):
+            # depthwise short conv: default PyTorch init (uniform in +-1/sqrt(kernel)), as fla does
+            bound = 1.0 / math.sqrt(module.weight.shape[-1])
+            module.weight.uniform_(-bound, bound)
+        elif isinstance(module, (KDAHybridRMSNorm, KDAHybridGatedRMSNorm)):
+            module.weight.fill_(1.0)
+        elif isinstance(module, KDAHybridRouter):
+            module.weight.normal_(0.0, std)
+            module.e_score_correction_bias.zero_()
+        elif isinstance(module, KDAHybridDeltaAttention):
+            # decay rates exp(A_log) in [1, 16] and dt in [1e-3, 1e-1] (Mamba2 / fla initialisation)
+            module.A_log.copy_(torch.empty_like(module.A_log).uniform_(1.0, 16.0).log())
+            dt = torch.empty_like(module.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp_min(1e-4)
+            module.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+
+
+class KDAHybridModel(KDAHybridPreTrainedModel):
+    def __init__(self, config: KDAHybridConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.layers = nn.ModuleList(KDAHybridDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = KDAHybridRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = KDAHybridRotaryEmbedding(config) if config.attention_type == "gqa" else None
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: KDAHybridCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        past_key_values: KDAHybridCache | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        if past_key_values is not None:
+            warnings.warn("`past_key_values` is deprecated; pass `cache=`", FutureWarning, stacklevel=2)
+            if cache is None:
+                cache = past_key_values
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        B, T, _ = inputs_embeds.shape
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if self.gradient_checkpointing and self.training:
+            use_cache = False
+        if use_cache and cache is None:
+            cache = KDAHybridCache(self.config)
+        if cache is not None and not isinstance(cache, KDAHybridCache):
+            raise TypeError(f"cache must be a KDAHybridCache, got {type(cache).__name__}")
+        past = cache.get_seq_length() if cache is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(past, past + T, device=inputs_embeds.device).unsqueeze(0)
+
+        token_mask = None
+        if attention_mask is not None and attention_mask.dim() == 2:
+            if attention_mask.shape != (B, past + T) and attention_mask.shape != (B, T):
+                raise ValueError(f"attention_mask must be [B, past + T] = {(B, past + T)}, got "
+                                 f"{tuple(attention_mask.shape)}")
+            step = attention_mask[:, -T:].bool()
+            if not bool(step.all()):
+                token_mask = step
+        causal_mask = None
+        if self.config.full_attention_layers:
+            causal_mask = create_causal_mask(
+                config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=cache,
+                position_ids=position_ids,
+            )
+        position_embeddings = self.rotary_emb(inputs_embeds, position_ids) if self.rotary_emb is not None else None
+
+        hidden_states = inputs_embeds
+        all_hidden = (hidden_states,) if output_hidden_states else None
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, attention_mask=causal_mask, token_mask=token_mask, cache=cache,
+                                  position_embeddings=position_embeddings, use_cache=use_cache)
+            if output_hidden_states:
+                all_hidden += (hidden_states,)
+        hidden_states = self.norm(hidden_states)
+        if output_hidden_states:
+            all_hidden = all_hidden[:-1] + (hidden_states,)
+        if cache is not None:
+            cache.advance(T)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache if use_cache else None,
+                                       hidden_states=all_hidden)
+
+
+class KDAHybridForCausalLM(KDAHybridPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: KDAHybridConfig):
+        super().__init__(config)
+        self.model = KDAHybridModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        """generate() builds a DynamicCache for ordinary models; this model needs its hybrid cache."""
+        user_cache = model_kwargs.get("cache")
+        if user_cache is not None and not isinstance(user_cache, KDAHybridCache):
+            raise TypeError(f"cache must be a KDAHybridCache, got {type(user_cache).__name__}")
+        if user_cache is None and generation_config.use_cache is not False and \
+                generation_config.cache_implementation not in (None, "dynamic"):
+            raise ValueError(f"cache_implementation={generation_config.cache_implementation!r} is not supported: "
+                             "KDA hybrid models use their own KDAHybridCache (leave cache_implementation unset)")
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        if user_cache is None and model_kwargs.get("cache") is not None:
+            cache = KDAHybridCache(self.config)
+            if generation_config.is_assistant:
+                cache.activate_past_recording()
+            model_kwargs["cache"] = cache
+
+    def set_output_embeddings(self, new_embeddings):
+        self.lm_head = new_embeddings
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: KDAHybridCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        past_key_values: KDAHybridCache | None = None,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        outputs = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+            inputs_embeds=inputs_embeds, use_cache=use_cache, output_hidden_states=output_hidden_states,
+            past_key_values=past_key_values,
+        )
+        hidden_states = outputs.last_hidden_state
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, keep, :])
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=outputs.cache,
+                                      hidden_states=outputs.hidden_states)
+
+
+__all__ = ["KDAHybridPreTrainedModel", "KDAHybridModel", "KDAHybridForCausalLM"]

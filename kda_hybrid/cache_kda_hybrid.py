@@ -247,7 +247,7 @@ class KDAHybridCache(Cache):
         """Remove the last `-tokens_to_remove` tokens (transformers 5 convention: a count <= 0)."""
         if tokens_to_remove > 0:
             raise ValueError(
-                f"crop() takes minus the number of tokens to remove (transformers 5 convention), got {tokens_to_remove}"
+                f"crop() takes a negative count (minus the tokens to remove, transformers 5 convention) or 0, got {tokens_to_remove}"
             )
         if -tokens_to_remove > self._seen_tokens:
             raise ValueError(f"cannot remove {-tokens_to_remove} tokens from a cache holding {self._seen_tokens}")

@@ -1,0 +1,449 @@
+"""The hybrid model on CPU with tiny configs: cache invariants, every generate() mode, padding, save/load,
+gradients, config validation."""
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, GenerationConfig
+
+from kda_hybrid import KDAHybridCache, KDAHybridConfig, KDAHybridForCausalLM
+from kda_hybrid.cache_kda_hybrid import KDALayerState, KVLayerState
+
+VOCAB = 97
+
+
+def tiny_config(attention="mla", moe=False, **over):
+    cfg = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        linear_num_heads=2, linear_head_dim=16, linear_conv_kernel_size=4,
+        attention_type=attention, num_attention_heads=4, num_key_value_heads=2,
+        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+        num_experts=4 if moe else None, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+        first_k_dense_replace=1, routed_scaling_factor=1.5,
+        pad_token_id=0, bos_token_id=1, eos_token_id=None,
+    )
+    cfg.update(over)
+    return KDAHybridConfig(**cfg)
+
+
+def tiny_model(attention="mla", moe=False, seed=0, **over):
+    torch.manual_seed(seed)
+    model = KDAHybridForCausalLM(tiny_config(attention, moe, **over)).eval()
+    # random (non-default) norms, biases and gates so every parameter matters
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("e_score_correction_bias"):
+                p.normal_(0, 0.1)
+    return model
+
+
+VARIANTS = [
+    pytest.param("mla", False, id="mla-dense"),
+    pytest.param("mla", True, id="mla-moe"),
+    pytest.param("gqa", False, id="gqa-dense"),
+    pytest.param("gqa", True, id="gqa-moe"),
+]
+
+
+def prompt(B=2, T=9, seed=1):
+    return torch.randint(1, VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def greedy(model, ids, n=8, **kw):
+    return model.generate(ids, max_new_tokens=n, do_sample=False, **kw)
+
+
+def kda_states(cache):
+    return [(layer.conv_states, layer.recurrent_state) for layer in cache.layers if isinstance(layer, KDALayerState)]
+
+
+# --------------------------------------------------------------------------------------------------
+# Cached decode == full forward
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("attention,moe", VARIANTS)
+def test_greedy_with_cache_equals_without(attention, moe):
+    model = tiny_model(attention, moe)
+    ids = prompt()
+    out = model.generate(ids, max_new_tokens=10, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    out_nc = model.generate(ids, max_new_tokens=10, do_sample=False, use_cache=False, output_logits=True,
+                            return_dict_in_generate=True)
+    assert torch.equal(out.sequences, out_nc.sequences)
+    torch.testing.assert_close(torch.stack(out.logits), torch.stack(out_nc.logits), rtol=1e-4, atol=1e-4)
+    # and the incremental logits equal one full forward over the generated sequence
+    full = model(out.sequences).logits[:, ids.shape[1] - 1 : -1]
+    torch.testing.assert_close(torch.stack(out.logits, 1), full, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("attention,moe", VARIANTS[:1] + VARIANTS[3:])
+def test_prefill_in_chunks_of_7_equals_one_prefill(attention, moe):
+    model = tiny_model(attention, moe)
+    ids = prompt(T=40)
+    with torch.no_grad():
+        one = model(ids, use_cache=True)
+        cache = KDAHybridCache(model.config)
+        logits = [model(ids[:, i : i + 7], cache=cache).logits for i in range(0, 40, 7)]
+    torch.testing.assert_close(torch.cat(logits, 1), one.logits, rtol=1e-4, atol=1e-5)
+    for (c1, s1), (c2, s2) in zip(kda_states(cache), kda_states(one.cache)):
+        torch.testing.assert_close(s1, s2, rtol=1e-5, atol=1e-6)
+        for a, b in zip(c1, c2):
+            torch.testing.assert_close(a, b)
+    assert cache.get_seq_length() == 40
+
+
+def test_returned_cache_reused_for_second_turn():
+    model = tiny_model("mla", True)
+    turn1, turn2 = prompt(B=1, T=12), prompt(B=1, T=6, seed=5)
+    out1 = model.generate(turn1, max_new_tokens=5, do_sample=False, return_dict_in_generate=True)
+    ids2 = torch.cat([out1.sequences, turn2], dim=1)
+    resumed = model.generate(ids2, cache=out1.cache, max_new_tokens=7, do_sample=False)
+    fresh = greedy(model, ids2, n=7)
+    assert torch.equal(resumed, fresh)
+
+
+def test_past_key_values_alias_and_output_fields():
+    model = tiny_model()
+    ids = prompt()
+    with torch.no_grad():
+        ref = model(ids, use_cache=True)
+        cache = KDAHybridCache(model.config)
+        with pytest.warns(FutureWarning, match="past_key_values"):
+            out = model(ids, past_key_values=cache)
+        assert out.cache is cache and cache.get_seq_length() == ids.shape[1]
+        torch.testing.assert_close(out.logits, ref.logits)
+        # logits_to_keep, inputs_embeds, hidden states
+        last = model(ids, logits_to_keep=1).logits
+        torch.testing.assert_close(last, ref.logits[:, -1:])
+        emb = model.get_input_embeddings()(ids)
+        torch.testing.assert_close(model(inputs_embeds=emb).logits, ref.logits)
+        hs = model(ids, output_hidden_states=True).hidden_states
+        assert len(hs) == model.config.num_hidden_layers + 1
+
+
+def test_labels_give_shifted_lm_loss():
+    model = tiny_model()
+    ids = prompt()
+    out = model(ids, labels=ids)
+    expected = torch.nn.functional.cross_entropy(out.logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+    torch.testing.assert_close(out.loss, expected)
+
+
+# --------------------------------------------------------------------------------------------------
+# Padding
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("attention,moe", VARIANTS)
+def test_left_padded_batch_equals_each_row_alone(attention, moe):
+    model = tiny_model(attention, moe)
+    rows = [prompt(B=1, T=11, seed=2)[0], prompt(B=1, T=6, seed=3)[0], prompt(B=1, T=1, seed=4)[0]]
+    T = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), T, dtype=torch.long)
+    mask = torch.zeros(len(rows), T, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, T - len(r):] = r
+        mask[i, T - len(r):] = 1
+    batched = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    for i, r in enumerate(rows):
+        alone = greedy(model, r[None], n=8)
+        assert torch.equal(batched[i, T:], alone[0, len(r):]), f"row {i}"
+
+
+def test_left_padding_batch_size_one_is_exact():
+    model = tiny_model("gqa")
+    ids = prompt(B=1, T=7)
+    padded = torch.cat([torch.zeros(1, 5, dtype=torch.long), ids], 1)
+    mask = torch.cat([torch.zeros(1, 5, dtype=torch.long), torch.ones(1, 7, dtype=torch.long)], 1)
+    assert torch.equal(greedy(model, padded, attention_mask=mask)[:, 12:], greedy(model, ids)[:, 7:])
+
+
+@pytest.mark.parametrize("attention", ["mla", "gqa"])
+def test_right_padding_leaves_same_cache_as_no_padding(attention):
+    model = tiny_model(attention)
+    ids = prompt(B=1, T=10)
+    padded = torch.cat([ids, torch.zeros(1, 4, dtype=torch.long)], 1)
+    mask = torch.cat([torch.ones(1, 10), torch.zeros(1, 4)], 1).long()
+    with torch.no_grad():
+        ref = model(ids, use_cache=True)
+        out = model(padded, attention_mask=mask, use_cache=True)
+    torch.testing.assert_close(out.logits[:, :10], ref.logits, rtol=1e-5, atol=1e-5)
+    for (c1, s1), (c2, s2) in zip(kda_states(out.cache), kda_states(ref.cache)):
+        torch.testing.assert_close(s1, s2, rtol=1e-6, atol=1e-6)
+        for a, b in zip(c1, c2):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for l1, l2 in zip(out.cache.layers, ref.cache.layers):
+        if isinstance(l1, KVLayerState):  # the attention cache holds the pads too, masked on later steps
+            torch.testing.assert_close(l1.keys[..., :10, :], l2.keys)
+
+
+def test_mixed_padding_in_a_batch():
+    """Row 0 right-padded, row 1 left-padded, row 2 unpadded: each row's logits equal its own run."""
+    model = tiny_model("mla", True)
+    r = [prompt(B=1, T=n, seed=n)[0] for n in (5, 7, 9)]
+    ids = torch.zeros(3, 9, dtype=torch.long)
+    mask = torch.zeros(3, 9, dtype=torch.long)
+    ids[0, :5], mask[0, :5] = r[0], 1
+    ids[1, 2:], mask[1, 2:] = r[1], 1
+    ids[2], mask[2] = r[2], 1
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask).logits
+        for i, (lo, hi) in enumerate([(0, 5), (2, 9), (0, 9)]):
+            alone = model(r[i][None]).logits[0]
+            torch.testing.assert_close(out[i, lo:hi], alone, rtol=1e-4, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------------
+# Other generate() modes
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("attention,moe", [VARIANTS[0], VARIANTS[3]])
+def test_beam_search_with_cache_equals_without(attention, moe):
+    model = tiny_model(attention, moe)
+    ids = prompt()
+    kw = dict(max_new_tokens=8, num_beams=3, do_sample=False, num_return_sequences=2)
+    assert torch.equal(model.generate(ids, **kw), model.generate(ids, use_cache=False, **kw))
+
+
+def test_sampling_with_seed_is_reproducible():
+    model = tiny_model("gqa", True)
+    ids = prompt()
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(123)
+        runs.append(model.generate(ids, max_new_tokens=12, do_sample=True, top_k=20, temperature=1.3))
+    assert torch.equal(*runs)
+    torch.manual_seed(124)
+    assert not torch.equal(runs[0], model.generate(ids, max_new_tokens=12, do_sample=True, top_k=20,
+                                                   temperature=1.3))
+
+
+@pytest.mark.parametrize("attention,moe", [VARIANTS[0], VARIANTS[3]])
+def test_assisted_decoding_equals_greedy(attention, moe):
+    model = tiny_model(attention, moe)
+    draft = tiny_model(attention, False, seed=7, num_hidden_layers=2, hidden_size=32)
+    ids = prompt(B=1, T=10)
+    expected = greedy(model, ids, n=15)
+    assisted = greedy(model, ids, n=15, assistant_model=draft)
+    assert torch.equal(assisted, expected)
+
+
+def test_assisted_decoding_with_the_model_as_its_own_draft():
+    """Every draft token is accepted: exercises rollback of zero tokens and long accepted runs."""
+    model = tiny_model()
+    ids = prompt(B=1, T=6)
+    assert torch.equal(greedy(model, ids, n=12, assistant_model=model), greedy(model, ids, n=12))
+
+
+def test_prompt_lookup_decoding_equals_greedy():
+    model = tiny_model("mla", True)
+    base = prompt(B=1, T=8)[0]
+    ids = torch.cat([base, base[:5], base, base[:3]])[None]  # repeats give the lookup real candidates
+    expected = greedy(model, ids, n=15)
+    assert torch.equal(greedy(model, ids, n=15, prompt_lookup_num_tokens=4), expected)
+
+
+def test_pipeline_text_generation(tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, pipeline
+
+    vocab = {"<pad>": 0, "<s>": 1, "<unk>": 2, **{f"w{i}": i + 3 for i in range(VOCAB - 3)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece()  # joins words with spaces
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", unk_token="<unk>")
+    model = tiny_model()
+    pipe = pipeline("text-generation", model=model, tokenizer=tokenizer)
+    out = pipe("w1 w2 w3", max_new_tokens=5, do_sample=False)
+    assert out[0]["generated_text"].startswith("w1 w2 w3")
+    new = pipe("w1 w2 w3", max_new_tokens=5, do_sample=False, return_full_text=False)[0]["generated_text"]
+    expected = greedy(model, tokenizer("w1 w2 w3", return_tensors="pt").input_ids, n=5)[0, -5:]
+    assert new.split() == tokenizer.convert_ids_to_tokens(expected)
+
+
+# --------------------------------------------------------------------------------------------------
+# Cache API
+# --------------------------------------------------------------------------------------------------
+
+
+def test_crop_rolls_back_states_exactly():
+    model = tiny_model("mla")
+    ids = prompt(B=2, T=14)
+    with torch.no_grad():
+        ref = model(ids[:, :9], use_cache=True).cache
+        cache = KDAHybridCache(model.config)
+        model(ids[:, :6], cache=cache)
+        cache.activate_past_recording()
+        model(ids[:, 6:8], cache=cache)  # several forwards since the last crop ...
+        model(ids[:, 8:10], cache=cache)
+        model(ids[:, 10:14], cache=cache)
+        cache.crop(-5)  # ... and the crop spans three of them
+    assert cache.get_seq_length() == 9
+    for (c1, s1), (c2, s2) in zip(kda_states(cache), kda_states(ref)):
+        torch.testing.assert_close(s1, s2, rtol=1e-5, atol=1e-6)
+        for a, b in zip(c1, c2):  # equal up to the rounding of differently batched projections
+            torch.testing.assert_close(a, b)
+    for l1, l2 in zip(cache.layers, ref.layers):
+        if isinstance(l1, KVLayerState):
+            torch.testing.assert_close(l1.keys, l2.keys)
+    with torch.no_grad():  # and decoding continues from there as from the reference
+        torch.testing.assert_close(model(ids[:, 9:10], cache=cache).logits, model(ids[:, 9:10], cache=ref).logits)
+
+
+def test_crop_without_recording_is_a_clear_error():
+    model = tiny_model()
+    cache = KDAHybridCache(model.config)
+    with torch.no_grad():
+        model(prompt(), cache=cache)
+    assert not cache.is_croppable
+    with pytest.raises(RuntimeError, match="activate_past_recording"):
+        cache.crop(-1)
+    with pytest.raises(ValueError, match="negative"):
+        cache.crop(3)
+
+
+def test_batch_select_repeat_reorder_reset():
+    model = tiny_model("gqa")
+    ids = prompt(B=3)
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).cache
+        single = model(ids[1:2], use_cache=True).cache
+    cache.batch_select_indices(torch.tensor([1]))
+    for (c1, s1), (c2, s2) in zip(kda_states(cache), kda_states(single)):
+        torch.testing.assert_close(s1, s2, rtol=1e-5, atol=1e-6)
+    cache.batch_repeat_interleave(2)
+    assert cache.batch_size == 2
+    cache.reorder_cache(torch.tensor([1, 0]))
+    assert cache.batch_size == 2
+    cache.reset()
+    assert cache.get_seq_length() == 0 and all(s.abs().sum() == 0 for _, s in kda_states(cache))
+
+
+def test_memory_report_kda_constant_attention_linear():
+    model = tiny_model("mla")
+    cfg = model.config
+    reports = []
+    for T in (8, 32):
+        with torch.no_grad():
+            reports.append(model(prompt(B=1, T=T), use_cache=True).cache.memory_report())
+    a, b = reports
+    assert a["kda_state_bytes"] == b["kda_state_bytes"] > 0  # fixed size
+    per_token = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4 * len(cfg.full_attention_layers)  # latent + k_rot
+    assert a["kv_bytes_per_token_per_sequence"] == b["kv_bytes_per_token_per_sequence"] == per_token
+    assert b["attention_kv_bytes"] - a["attention_kv_bytes"] == 24 * per_token
+
+
+# --------------------------------------------------------------------------------------------------
+# Save / load, dtypes
+# --------------------------------------------------------------------------------------------------
+
+
+def test_save_and_load_round_trip(tmp_path):
+    model = tiny_model("mla", True)
+    model.save_pretrained(tmp_path)
+    ids = prompt()
+    assert (tmp_path / "modeling_kda_hybrid.py").exists() and (tmp_path / "kda_ops.py").exists()
+    for cls in (KDAHybridForCausalLM, AutoModelForCausalLM):
+        loaded = cls.from_pretrained(tmp_path).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+    assert AutoConfig.from_pretrained(tmp_path).model_type == "kda_hybrid"
+    assert type(AutoModel.from_pretrained(tmp_path)).__name__ == "KDAHybridModel"
+    assert torch.equal(greedy(loaded, ids), greedy(model, ids))
+
+
+def test_fp32_parameters_survive_casting(tmp_path):
+    model = tiny_model("mla", True).to(torch.bfloat16)
+    kda = model.model.layers[0].self_attn
+    moe = model.model.layers[1].block_sparse_moe
+    assert kda.q_proj.weight.dtype == torch.bfloat16
+    assert kda.A_log.dtype == kda.dt_bias.dtype == torch.float32
+    assert moe.gate.e_score_correction_bias.dtype == torch.float32
+    model.save_pretrained(tmp_path)
+    loaded = KDAHybridForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert loaded.model.layers[0].self_attn.A_log.dtype == torch.float32
+    assert loaded.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+    with torch.no_grad():
+        assert torch.isfinite(loaded(prompt()).logits).all()
+
+
+# --------------------------------------------------------------------------------------------------
+# Training
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("attention,moe", [VARIANTS[1], VARIANTS[2]])
+def test_gradients_finite_and_checkpointing_matches(attention, moe):
+    model = tiny_model(attention, moe).train()
+    ids = prompt(T=70)  # crosses a chunk boundary
+
+    def grads():
+        model.zero_grad()
+        model(ids, labels=ids, use_cache=False).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain = grads()
+    assert all(torch.isfinite(g).all() for g in plain.values())
+    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert {n for n in names if "A_log" in n or "dt_bias" in n or "conv1d" in n} <= set(plain)
+    model.activation_checkpointing_enable() if hasattr(model, "activation_checkpointing_enable") else model.gradient_checkpointing_enable()
+    ckpt = grads()
+    assert plain.keys() == ckpt.keys()
+    for n in plain:
+        torch.testing.assert_close(ckpt[n], plain[n], rtol=1e-5, atol=1e-7, msg=n)
+
+
+# --------------------------------------------------------------------------------------------------
+# Config validation and Kimi-Linear keys
+# --------------------------------------------------------------------------------------------------
+
+
+BAD_CONFIGS = [
+    ("layer-types-length", dict(num_hidden_layers=4, layer_types=["linear_attention"] * 3), "layer_types"),
+    ("layer-types-name", dict(num_hidden_layers=2, layer_types=["linear_attention", "kda"]), "layer_types entries"),
+    ("attention-type", dict(attention_type="mha"), "attention_type"),
+    ("gqa-groups", dict(attention_type="gqa", num_attention_heads=6, num_key_value_heads=4), "multiple"),
+    ("topk-gt-experts", dict(num_experts=4, num_experts_per_tok=5), "num_experts_per_tok"),
+    ("zero-heads", dict(linear_num_heads=0), "linear_num_heads"),
+    ("float-hidden", dict(hidden_size=64.0), "hidden_size"),
+    ("bad-act", dict(hidden_act="gelu"), "hidden_act"),
+    ("kimi-softmax-router", dict(moe_router_activation_func="softmax"), "sigmoid"),
+    ("kimi-layer-out-of-range", dict(num_hidden_layers=2, linear_attn_config={"kda_layers": [1], "full_attn_layers": [3]}),
+     "1-based"),
+    ("kimi-layer-missing", dict(num_hidden_layers=3, linear_attn_config={"kda_layers": [1], "full_attn_layers": [3]}),
+     "neither"),
+]
+
+
+@pytest.mark.parametrize("name,kwargs,match", BAD_CONFIGS, ids=[b[0] for b in BAD_CONFIGS])
+def test_bad_config_raises(name, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        KDAHybridConfig(**kwargs)
+
+
+def test_kimi_linear_config_keys_build_the_same_architecture():
+    kimi = {
+        "model_type": "kimi_linear", "vocab_size": 163840, "hidden_size": 2304, "intermediate_size": 9216,
+        "num_hidden_layers": 27, "num_attention_heads": 32, "num_key_value_heads": 32, "rms_norm_eps": 1e-5,
+        "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "mla_use_nope": True, "num_experts": 256, "num_experts_per_token": 8, "moe_intermediate_size": 1024,
+        "num_shared_experts": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.446, "moe_renormalize": True,
+        "moe_router_activation_func": "sigmoid", "bos_token_id": 163584, "eos_token_id": 163586, "pad_token_id": 163839,
+        "linear_attn_config": {"kda_layers": [i for i in range(1, 28) if i not in (4, 8, 12, 16, 20, 24, 27)],
+                               "full_attn_layers": [4, 8, 12, 16, 20, 24, 27], "head_dim": 128, "num_heads": 32,
+                               "short_conv_kernel_size": 4},
+    }
+    cfg = KDAHybridConfig(**kimi)
+    assert cfg.full_attention_layers == [3, 7, 11, 15, 19, 23, 26]
+    assert (cfg.linear_num_heads, cfg.linear_head_dim, cfg.num_experts_per_tok, cfg.n_shared_experts) == (32, 128, 8, 1)
+    assert cfg.attention_type == "mla" and cfg.is_moe_layer(1) and not cfg.is_moe_layer(0)
+    back = cfg.to_kimi_linear_dict()
+    for key, value in kimi.items():
+        if key != "model_type":
+            assert back[key] == value, key
+    with torch.device("meta"):
+        model = KDAHybridForCausalLM(cfg)
+    params = sum(p.numel() for p in model.parameters())
+    assert abs(params / 1e9 - 49.1) < 0.1  # the checkpoint holds 49.1B parameters

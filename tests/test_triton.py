@@ -1,0 +1,268 @@
+"""Triton KDA kernels against the token-by-token fp32 reference.
+
+On CUDA the kernels run compiled (and are also checked in bf16); without CUDA they run in the Triton
+interpreter (fp32 only, slow: shapes stay small). `kda_triton` applies `triton.jit` at the first launch, so
+setting TRITON_INTERPRET here works whether or not `kda_hybrid` was imported earlier in the session; the
+variable is set only while these tests run (module fixture), not for the rest of the suite.
+"""
+
+import os
+
+import pytest
+import torch
+
+from kda_hybrid import chunk_kda, fused_recurrent_kda
+from kda_hybrid import kda_ops
+from kda_hybrid.kda_torch import chunk_kda_torch, recurrent_kda_reference
+
+from test_ops import assert_close_rel, make_inputs
+
+pytestmark = pytest.mark.triton
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+
+if not kda_ops.triton_available():
+    pytest.skip(f"Triton kernels unavailable: {kda_ops._TRITON_IMPORT_ERROR!r}", allow_module_level=True)
+
+from kda_hybrid import kda_triton  # noqa: E402  (importable: checked just above)
+
+
+def _make_stdlib_interpretable(mp):
+    """triton.language's own @jit helpers (tl.sum, tl.cumsum, ...) were decorated when triton was imported;
+    if that happened before TRITON_INTERPRET=1 (fla imports triton while another test module is collected),
+    they are compiled-mode JITFunctions that refuse to run inside an interpreted kernel. Swap them, for this
+    module only, for interpreted twins of the same Python functions. Private combine functions stay: the
+    interpreter recognises tl.standard._sum_combine by identity to reduce with numpy."""
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    for mod in (tl, tl.standard):
+        for name, obj in list(vars(mod).items()):
+            if isinstance(obj, JITFunction) and not name.startswith("_"):
+                mp.setattr(mod, name, InterpretedFunction(obj.fn))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _triton_mode():
+    """Interpreter on CPU, for the duration of this module only."""
+    if CUDA:
+        yield
+        return
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        _make_stdlib_interpretable(mp)
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _poison_empty(monkeypatch):
+    """Every float tensor from torch.empty / empty_like starts as NaN, so a tile a kernel forgets to write
+    (or a masked row it reads) shows up as NaN in the result."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def poisoned(fn):
+        def wrapper(*args, **kwargs):
+            x = fn(*args, **kwargs)
+            return x.fill_(float("nan")) if x.is_floating_point() else x
+        return wrapper
+
+    monkeypatch.setattr(torch, "empty", poisoned(empty))
+    monkeypatch.setattr(torch, "empty_like", poisoned(empty_like))
+
+
+def to_device(xs):
+    return [None if x is None else x.to(DEVICE) for x in xs]
+
+
+# Sizes: T not a multiple of the chunk (1, 17, 100) and exactly one chunk (64); K != V; the interpreter
+# runs about 1 s per 64-token chunk and head, which bounds the list.
+FWD_CASES = [
+    pytest.param(2, 1, 1, 16, 16, False, False, id="B2-T1-H1-K16-V16"),
+    pytest.param(1, 17, 2, 16, 32, True, True, id="B1-T17-H2-K16-V32-h0-l2"),
+    pytest.param(2, 64, 1, 32, 16, True, False, id="B2-T64-H1-K32-V16-h0"),
+    pytest.param(1, 100, 2, 32, 32, False, True, id="B1-T100-H2-K32-V32-l2"),
+]
+
+
+@pytest.mark.parametrize("B,T,H,K,V,init_state,l2norm", FWD_CASES)
+def test_chunk_forward_matches_reference(B, T, H, K, V, init_state, l2norm):
+    q, k, v, g, beta, h0 = to_device(make_inputs(B, T, H, K, V, init_state=init_state))
+    if l2norm:  # un-normalised keys, so the fused norm matters
+        k = k * torch.linspace(0.5, 3.0, K, device=DEVICE)
+    kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=l2norm)
+    o, s = chunk_kda(q, k, v, g, beta, backend="triton", **kw)
+    o_ref, s_ref = chunk_kda(q, k, v, g, beta, backend="reference", **kw)
+    assert o.dtype == v.dtype and s.dtype == torch.float32
+    assert_close_rel(o, o_ref, name="o")
+    assert_close_rel(s, s_ref, name="final state")
+
+
+def test_chunk_without_final_state_returns_none():
+    q, k, v, g, beta, _ = to_device(make_inputs(1, 17, 1, 16, 16))
+    o, s = kda_triton.chunk_kda_triton(q, k, v, g, beta, 0.25)
+    o_ref, _ = recurrent_kda_reference(q, k, v, g, beta, 0.25)
+    assert s is None
+    assert_close_rel(o, o_ref)
+
+
+@pytest.mark.parametrize("gate", [20.0], ids=["gate20"])
+def test_chunk_strong_decay_is_finite_and_exact(gate):
+    """g about -20 per token per channel: the cumulative decay reaches ~ -1000 inside a chunk."""
+    q, k, v, g, beta, h0 = to_device(make_inputs(1, 100, 1, 16, 16, gate=gate, init_state=True))
+    assert g.min() < -gate
+    kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o, s = chunk_kda(q, k, v, g, beta, backend="triton", **kw)
+    o_ref, s_ref = chunk_kda(q, k, v, g, beta, backend="reference", **kw)
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    assert_close_rel(o, o_ref)
+    assert_close_rel(s, s_ref)
+
+
+def test_chunk_varlen_equals_per_sequence():
+    """Chunks never cross a boundary: 5 + 64 + 70 tokens packed, each with its own initial state."""
+    lens, H, K, V = (5, 64, 70), 1, 16, 16
+    q, k, v, g, beta, _ = to_device(make_inputs(1, sum(lens), H, K, V))
+    h0 = torch.randn(len(lens), H, K, V, device=DEVICE)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o, s = chunk_kda(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, backend="triton", **kw)
+    for i, (b, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        o_i, s_i = chunk_kda(q[:, b:e], k[:, b:e], v[:, b:e], g[:, b:e], beta[:, b:e],
+                             initial_state=h0[i: i + 1], backend="reference", **kw)
+        assert_close_rel(o[:, b:e], o_i, name=f"seq {i} o")
+        assert_close_rel(s[i: i + 1], s_i, name=f"seq {i} state")
+
+
+@pytest.mark.parametrize("T", [17, 70], ids=["T17", "T70"])
+def test_chunk_gradients_match_reference(T):
+    """All six gradients (q, k, v, g, beta, initial state) through the l2norm and the final state."""
+    B, H, K, V = 1, 2, 16, 16
+    args = to_device(make_inputs(B, T, H, K, V, init_state=True, gate=5.0))
+    args = [x.detach().requires_grad_() for x in args]
+    q, k, v, g, beta, h0 = args
+    do = torch.randn(B, T, H, V, device=DEVICE)
+    ds = torch.randn(B, H, K, V, device=DEVICE)
+
+    def grads(backend):
+        for x in args:
+            x.grad = None
+        o, s = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                         use_qk_l2norm_in_kernel=True, backend=backend)
+        ((o * do).sum() + (s * ds).sum()).backward()
+        return [x.grad.clone() for x in args]
+
+    for name, got, ref in zip("q k v g beta h0".split(), grads("triton"), grads("reference")):
+        assert torch.isfinite(got).all(), name
+        assert_close_rel(got, ref, rel=2e-5, name=f"d{name}")
+
+
+def test_decode_in_place_token_by_token_equals_chunked():
+    """The decode kernel, one token a step, updating the caller's state tensor in place."""
+    B, T, H, K, V = 2, 17, 2, 32, 16
+    q, k, v, g, beta, h0 = to_device(make_inputs(B, T, H, K, V, init_state=True))
+    kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o_full, s_full = chunk_kda(q, k, v, g, beta, initial_state=h0, backend="triton", **kw)
+    o_ref, s_ref = chunk_kda(q, k, v, g, beta, initial_state=h0, backend="reference", **kw)
+    state, outs = h0.clone(), []
+    for t in range(T):
+        sl = slice(t, t + 1)
+        o_t, s_t = fused_recurrent_kda(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], initial_state=state,
+                                       inplace_final_state=True, backend="triton", **kw)
+        assert s_t.data_ptr() == state.data_ptr()
+        outs.append(o_t)
+    assert_close_rel(torch.cat(outs, 1), o_ref, name="decode o")
+    assert_close_rel(state, s_ref, name="decode state")
+    assert_close_rel(o_full, o_ref, name="chunk o")
+    assert_close_rel(state, s_full, name="decode vs chunk state")
+
+
+def test_decode_multi_token_varlen_and_state_left_alone():
+    """Several tokens per call, packed sequences; without inplace_final_state the input state is untouched."""
+    lens, H, K, V = (3, 1, 6), 2, 16, 32
+    q, k, v, g, beta, _ = to_device(make_inputs(1, sum(lens), H, K, V))
+    h0 = torch.randn(len(lens), H, K, V, device=DEVICE)
+    h0_copy = h0.clone()
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    kw = dict(initial_state=h0, output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+    o, s = fused_recurrent_kda(q, k, v, g, beta, backend="triton", **kw)
+    o_ref, s_ref = fused_recurrent_kda(q, k, v, g, beta, backend="reference", **kw)
+    assert torch.equal(h0, h0_copy)
+    assert_close_rel(o, o_ref)
+    assert_close_rel(s, s_ref)
+    o2, s2 = fused_recurrent_kda(q, k, v, g, beta, backend="triton", **kw, inplace_final_state=True)
+    assert s2.data_ptr() == h0.data_ptr()
+    assert_close_rel(h0, s_ref)
+
+
+def test_decode_needing_grad_falls_back_to_chunk():
+    args = to_device(make_inputs(1, 3, 1, 16, 16, init_state=True))
+    args = [x.detach().requires_grad_() for x in args]
+    o, s = fused_recurrent_kda(*args[:5], initial_state=args[5], output_final_state=True, backend="triton")
+    (o.sum() + s.sum()).backward()
+    assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in args)
+
+
+# ------------------------------------------------------------------------------------------------
+# CUDA only: 16-bit inputs. Bound: the kernel's error against the fp32 reference on the original fp32
+# inputs may be at most 2x (+ a floor at output rounding) the error of the exact-fp32 torch path fed the
+# same 16-bit-rounded inputs (flash-attention's rule): what is left is the kernel's own rounding.
+# ------------------------------------------------------------------------------------------------
+
+
+def _max_err(a, b):
+    return (a.float() - b.float()).abs().max().item()
+
+
+@pytest.mark.skipif(not CUDA, reason="16-bit kernels need CUDA (the interpreter is fp32 only)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("T", [100, 1000])
+def test_chunk_low_precision_error_bound(T, dtype):
+    B, H, K, V = 2, 4, 128, 128
+    q, k, v, g, beta, h0 = to_device(make_inputs(B, T, H, K, V, init_state=True))
+    kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o_ref, s_ref = chunk_kda(q, k, v, g, beta, backend="reference", **kw)
+    low = [x.to(dtype) for x in (q, k, v, g, beta)]
+    o, s = chunk_kda(*low, backend="triton", **kw)
+    o_t, s_t = chunk_kda_torch(*low, K ** -0.5, h0, True, True)
+    assert o.dtype == dtype and s.dtype == torch.float32
+    floor = torch.finfo(dtype).eps * o_ref.abs().max().item()
+    assert _max_err(o, o_ref) <= 2 * _max_err(o_t, o_ref) + floor
+    assert _max_err(s, s_ref) <= 2 * _max_err(s_t, s_ref) + 1e-3 * s_ref.abs().max().item()
+
+
+@pytest.mark.skipif(not CUDA, reason="16-bit kernels need CUDA (the interpreter is fp32 only)")
+def test_decode_bf16_in_place():
+    B, T, H, K, V = 4, 8, 4, 128, 128
+    q, k, v, g, beta, h0 = to_device(make_inputs(B, T, H, K, V, init_state=True))
+    kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o_ref, s_ref = chunk_kda(q, k, v, g, beta, initial_state=h0, backend="reference", **kw)
+    low = [x.bfloat16() for x in (q, k, v, g, beta)]
+    o_t, s_t = chunk_kda_torch(*low, K ** -0.5, h0, True, True)
+    state, outs = h0.clone(), []
+    for t in range(T):
+        o_i, _ = fused_recurrent_kda(*(x[:, t: t + 1] for x in low), initial_state=state,
+                                     inplace_final_state=True, backend="triton", **kw)
+        outs.append(o_i)
+    o = torch.cat(outs, 1)
+    floor = torch.finfo(torch.bfloat16).eps * o_ref.abs().max().item()
+    assert _max_err(o, o_ref) <= 2 * _max_err(o_t, o_ref) + floor
+    assert _max_err(state, s_ref) <= 2 * _max_err(s_t, s_ref) + 1e-5 * s_ref.abs().max().item()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("T", [300, 1000] if CUDA else [200])
+def test_chunk_long_sequences(T):
+    q, k, v, g, beta, h0 = to_device(make_inputs(2, T, 2, 32, 32, init_state=True))
+    kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o, s = chunk_kda(q, k, v, g, beta, backend="triton", **kw)
+    o_ref, s_ref = chunk_kda(q, k, v, g, beta, backend="reference", **kw)
+    assert_close_rel(o, o_ref)
+    assert_close_rel(s, s_ref)
+
+
+def test_interpreter_env_is_scoped():
+    """Outside CUDA this module runs kernels in the interpreter; the variable is visible to them."""
+    if not CUDA:
+        assert os.environ.get("TRITON_INTERPRET") == "1"

@@ -229,10 +229,10 @@ def _chunk_fwd(q, k, v, g, beta, state, chunk_size):
         vn = torch.baddbmm(u[:, n], w[:, n], state, alpha=-1)  # [B*H, C, V]
         v_new.append(vn)
         state = torch.baddbmm(state * decay_last[:, n], k_out[:, n], vn)
-    S = torch.stack(states, dim=1).unflatten(0, (B, H))  # [B, H, N, K, V]
-    v_new = torch.stack(v_new, dim=1).unflatten(0, (B, H))  # [B, H, N, C, V]
-    o = qg @ S + A_qk @ v_new  # [B, H, N, C, V]
-    return o.permute(0, 2, 3, 1, 4).reshape(B, T, H, V), state.unflatten(0, (B, H))
+    S = torch.stack(states, dim=1).flatten(0, 1)  # [B*H*N, K, V]
+    v_new = torch.stack(v_new, dim=1).flatten(0, 1)  # [B*H*N, C, V]
+    o = torch.baddbmm(qg.flatten(0, 2) @ S, A_qk.flatten(0, 2), v_new)  # [B*H*N, C, V]
+    return o.view(B, H, N, C, V).permute(0, 2, 3, 1, 4).reshape(B, T, H, V), state.unflatten(0, (B, H))
 
 
 def chunk_kda_torch(

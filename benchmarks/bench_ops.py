@@ -1,0 +1,183 @@
+"""KDA ops on CPU, side by side: our chunked torch path vs our reference, fla's naive functions and
+transformers' native torch fallbacks. fp32, 1 thread, B=1, H=4, K=V=128.
+
+    python benchmarks/bench_ops.py                 # T = 1024 and 4096, forward and forward+backward, memory
+    python benchmarks/bench_ops.py --T 1024 --repeats 3 --no-memory
+
+Prints medians, ratios against the fastest anchor, our GFLOP/s against the machine's measured fp32 matmul
+rate, and peak extra memory (each measured in a fresh subprocess: RSS high-water mark minus the inputs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+B, H, K, V = 1, 4, 128, 128
+
+
+def inputs(T, requires_grad=False, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, K, generator=gen)
+    k = torch.randn(B, T, H, K, generator=gen)
+    v = torch.randn(B, T, H, V, generator=gen)
+    g = F.logsigmoid(torch.randn(B, T, H, K, generator=gen))  # the model's gate range
+    beta = torch.rand(B, T, H, generator=gen)
+    xs = [q, k, v, g, beta]
+    return [x.requires_grad_() for x in xs] if requires_grad else xs
+
+
+def l2n(x):
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def implementations():
+    """name -> (forward fn(q, k, v, g, beta) -> o, supports backward). All take raw q, k and normalise them."""
+    from kda_hybrid import chunk_kda
+
+    impls = {
+        "ours (torch chunked)": (
+            lambda q, k, v, g, b: chunk_kda(q, k, v, g, b, use_qk_l2norm_in_kernel=True, backend="torch")[0], True),
+        "ours (reference)": (
+            lambda q, k, v, g, b: chunk_kda(q, k, v, g, b, use_qk_l2norm_in_kernel=True, backend="reference")[0],
+            True),
+    }
+    try:
+        from fla.ops.kda.naive import naive_chunk_kda, naive_recurrent_kda
+
+        impls["fla naive_recurrent_kda"] = (lambda q, k, v, g, b: naive_recurrent_kda(l2n(q), l2n(k), v, g, b)[0],
+                                            True)
+        impls["fla naive_chunk_kda"] = (lambda q, k, v, g, b: naive_chunk_kda(l2n(q), l2n(k), v, g, b)[0], True)
+    except ImportError as err:
+        print(f"# fla not available ({err}); its anchors are skipped", file=sys.stderr)
+    try:
+        from transformers.models.kimi_linear import modeling_kimi_linear as native
+
+        chunk = getattr(native.chunk_kimi_delta_attention, "__wrapped__", native.chunk_kimi_delta_attention)
+        rec = getattr(native.recurrent_kimi_delta_attention, "__wrapped__", native.recurrent_kimi_delta_attention)
+        impls["transformers chunk fallback"] = (
+            lambda q, k, v, g, b: chunk(q, k, v, g, b, use_qk_l2norm_in_kernel=True)[0], True)
+        impls["transformers recurrent fallback"] = (
+            lambda q, k, v, g, b: rec(q, k, v, g, b, None, False, use_qk_l2norm_in_kernel=True)[0], False)
+    except ImportError as err:
+        print(f"# transformers kimi_linear not available ({err})", file=sys.stderr)
+    return impls
+
+
+def timeit(fn, repeats):
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def matmul_gflops():
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    t = timeit(lambda: a @ b, 10)
+    return 2 * 1024**3 / t / 1e9
+
+
+def kda_flops(T, C=64):
+    """Useful FLOPs of the chunked algorithm (matmuls only): per chunk and head A_kk and A_qk (C^2 K each),
+    the inverse applied to [K | V] (C^2 (K + V)), w S and k^T v_new (C K V each), q S (C K V), A_qk v_new (C^2 V)."""
+    n = -(-T // C) * H
+    macs = C * C * K * 2 + C * C * (K + V) + 3 * C * K * V + C * C * V
+    return 2 * macs * n
+
+
+def time_all(T, repeats, which):
+    impls = implementations()
+    rows = {}
+    for name, (fwd, has_bwd) in impls.items():
+        if which and name not in which:
+            continue
+        if name == "ours (reference)" and T > 1024:
+            r = max(1, repeats // 3)
+        else:
+            r = repeats
+        xs = inputs(T)
+        with torch.no_grad():
+            t_f = timeit(lambda: fwd(*xs), r)
+        t_fb = None
+        if has_bwd and T <= 1024:
+            xg = inputs(T, requires_grad=True)
+            t_fb = timeit(lambda: fwd(*xg).sum().backward(), max(1, r // 2))
+        rows[name] = (t_f, t_fb)
+    return rows
+
+
+def peak_memory(name, T, backward):
+    """Peak extra RSS (bytes) of one call in a fresh process."""
+    code = f"""
+import json, resource, sys, torch
+sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+torch.set_num_threads(1)
+import bench_ops as b
+impl = b.implementations()[{name!r}][0]
+xs = b.inputs({T}, requires_grad={backward})
+warm = b.inputs(64, requires_grad={backward})
+out = impl(*warm)
+if {backward}: out.sum().backward()
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+out = impl(*xs)
+if {backward}: out.sum().backward()
+print(json.dumps((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024))
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    if res.returncode:
+        return None
+    return int(res.stdout.strip().splitlines()[-1])
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--T", type=int, nargs="+", default=[1024, 4096])
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--only", nargs="*", default=None, help="implementation names to run")
+    p.add_argument("--no-memory", action="store_true")
+    p.add_argument("--json", help="also write the results here")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    peak = matmul_gflops()
+    print(f"# CPU fp32 matmul (1024^3, 1 thread): {peak:.1f} GFLOP/s; torch {torch.__version__}; "
+          f"B={B} H={H} K={K} V={V}, fp32, 1 thread, median of {args.repeats}")
+    results = {"matmul_gflops": peak, "T": {}}
+    for T in args.T:
+        rows = time_all(T, args.repeats, args.only)
+        anchors = {n: r for n, r in rows.items() if not n.startswith("ours")}
+        best_f = min((r[0] for r in anchors.values()), default=None)
+        best_fb = min((r[1] for r in anchors.values() if r[1] is not None), default=None)
+        print(f"\n## T={T}\n")
+        print("| implementation | fwd ms | fwd vs fastest anchor | fwd+bwd ms | fwd+bwd vs fastest anchor | peak extra MB (fwd) |")
+        print("|---|---|---|---|---|---|")
+        results["T"][T] = {}
+        for name, (t_f, t_fb) in rows.items():
+            mem = None if args.no_memory else peak_memory(name, T, False)
+            fb = "n/a" if t_fb is None else f"{t_fb * 1e3:.0f}"
+            r_f = f"{best_f / t_f:.1f}x" if best_f else "-"
+            r_fb = f"{best_fb / t_fb:.1f}x" if (best_fb and t_fb) else "-"
+            m = "-" if mem is None else f"{mem / 2**20:.0f}"
+            print(f"| {name} | {t_f * 1e3:.1f} | {r_f} | {fb} | {r_fb} | {m} |")
+            results["T"][T][name] = {"fwd_s": t_f, "fwd_bwd_s": t_fb, "peak_extra_bytes": mem}
+        ours = rows.get("ours (torch chunked)")
+        if ours:
+            gf = kda_flops(T) / ours[0] / 1e9
+            print(f"\nours: {gf:.1f} GFLOP/s forward = {gf / peak:.0%} of the measured matmul rate")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -256,7 +256,9 @@ class KDAHybridConfig(PretrainedConfig):
                 "short_conv_kernel_size": self.linear_conv_kernel_size,
             },
         }
-        if self.num_experts is not None:
+        if self.num_experts is None:  # all dense: every layer is one of the "first k dense" layers
+            out["first_k_dense_replace"] = self.num_hidden_layers
+        else:
             out.update(
                 num_experts=self.num_experts,
                 num_experts_per_token=self.num_experts_per_tok,

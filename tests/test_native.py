@@ -1,0 +1,41 @@
+"""Our model against transformers' native `KimiLinearForCausalLM` (an independent implementation) on the same
+random weights: logits and greedy generations. The native model runs in a subprocess with fla blocked."""
+
+import pytest
+import torch
+
+from kda_hybrid import KDAHybridForCausalLM
+
+from ._native import run_native, save_checkpoint
+from .test_model import VOCAB, prompt, tiny_model
+
+
+def assert_rel_close(actual, expected, rel=1e-4):
+    err = (actual - expected).abs().max()
+    scale = expected.abs().max()
+    assert err <= rel * scale, f"max abs error {err:.3e} > {rel:g} * {scale:.3e}"
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_logits_and_greedy_match_native(tmp_path, moe):
+    model = tiny_model("mla", moe, num_hidden_layers=5, q_lora_rank=12 if moe else None)
+    assert model.config.router_weights_from_biased_scores is False  # the native port's (unbiased) routing
+    save_checkpoint(tmp_path, model.state_dict(), model.config.to_kimi_linear_dict(), shards=2)
+    ids = prompt(B=2, T=70)  # crosses the 64-token chunk boundary
+    [native] = run_native([tmp_path], ids, max_new_tokens=10)
+    with torch.no_grad():
+        ours = model(ids).logits
+        ours_tokens = model.generate(ids, max_new_tokens=10, min_new_tokens=10, do_sample=False)[:, 70:]
+    assert_rel_close(ours, native["logits"])
+    assert torch.equal(ours_tokens, native["tokens"])
+
+
+def test_biased_routing_differs_from_native():
+    """The flag matters: the original Hub routing gives other logits than the native (unbiased) one."""
+    model = tiny_model("mla", True)
+    biased = KDAHybridForCausalLM(model.config.__class__(**{**model.config.to_dict(),
+                                                            "router_weights_from_biased_scores": True})).eval()
+    biased.load_state_dict(model.state_dict())
+    ids = prompt(T=12)
+    with torch.no_grad():
+        assert not torch.allclose(biased(ids).logits, model(ids).logits, atol=1e-6)

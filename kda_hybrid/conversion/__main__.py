@@ -1,0 +1,56 @@
+"""python -m kda_hybrid.conversion [--from FORMAT] [--to FORMAT] SRC DST"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from .configs import KDA_HYBRID, SOURCE_FORMATS, TARGET_FORMATS
+from .convert import DTYPES, convert
+from .layout import ConversionError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m kda_hybrid.conversion",
+        description="Convert a Kimi Linear checkpoint folder (sharded safetensors + config.json) between Moonshot's "
+                    "original layout, transformers' native kimi_linear and kda_hybrid. Streams one shard at a time.",
+    )
+    parser.add_argument("src", help="source checkpoint folder")
+    parser.add_argument("dst", help="output folder (must not exist unless --overwrite)")
+    parser.add_argument("--from", dest="source", choices=SOURCE_FORMATS, default=None,
+                        help="source layout; default: detected from config.json and the tensor names")
+    parser.add_argument("--to", dest="target", choices=TARGET_FORMATS, default=KDA_HYBRID,
+                        help="output layout (default: %(default)s)")
+    parser.add_argument("--dtype", choices=["keep", *DTYPES], default="keep",
+                        help="cast floating tensors (A_log, dt_bias, router bias stay float32); default: keep")
+    parser.add_argument("--max-shard-size", default="5GB", help="largest output shard, e.g. 5GB, 500MiB (default: 5GB)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing DST")
+    router = parser.add_mutually_exclusive_group()
+    router.add_argument("--biased-router", dest="biased", action="store_true", default=None,
+                        help="router weights from the bias-corrected scores (Moonshot's Hub code; default for "
+                             "--from kimi_linear)")
+    router.add_argument("--unbiased-router", dest="biased", action="store_false",
+                        help="router weights from the raw sigmoid scores (transformers, vLLM; default for "
+                             "--from transformers)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    try:
+        out = convert(args.src, args.dst, source=args.source, target=args.target, dtype=args.dtype,
+                      max_shard_size=args.max_shard_size, overwrite=args.overwrite,
+                      router_weights_from_biased_scores=args.biased, progress=not args.no_progress)
+    except ConversionError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

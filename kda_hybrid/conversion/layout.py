@@ -1,0 +1,232 @@
+"""What a checkpoint must contain: every tensor name and shape of a Kimi Linear model, computed from its
+config.json dict, and the rules that produce those tensors from each source naming.
+
+Our parameter names are exactly the original Kimi-Linear names, so the original format and ours share one
+inventory. transformers' native `kimi_linear` renames and fuses some of them (DESIGN §5); its rules split
+them back. A rule maps whole source tensors to whole target tensors; every rule is a pure function of its
+sources, so the same rules drive the streaming file conversion and the in-memory (meta-tensor) dry run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Tensors kept in float32 whatever the output dtype: the decay parameters feed exp/softplus in fp32 and
+# the router bias shifts sigmoid scores by ~1e-3, below bf16's resolution near 1 (DESIGN §2, §4).
+FP32_SUFFIXES = (".A_log", ".dt_bias", ".e_score_correction_bias")
+
+KDA, MLA = "kda", "mla"
+DENSE, MOE = "dense", "moe"
+
+
+class ConversionError(ValueError):
+    """A checkpoint or config that cannot be converted as asked; the message lists every offending name."""
+
+
+@dataclass(frozen=True)
+class Spec:
+    """Expected shape of one target tensor; `fp32` tensors stay float32 under any `--dtype`."""
+
+    shape: tuple[int, ...]
+    fp32: bool = False
+    # the router weight: models (ours, transformers') compute router logits in fp32 and keep this weight fp32,
+    # so a cast never rounds an fp32 router down (a bf16 one, as in the Hub checkpoint, stays bf16)
+    no_downcast: bool = False
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Produce `targets` from `sources` with `op` (see `apply_rule`); shapes are checked before any read."""
+
+    op: str  # "copy" | "split_conv" | "split_gate_up" | "split_down"
+    sources: tuple[str, ...]
+    source_shapes: tuple[tuple[int, ...], ...]
+    targets: tuple[str, ...]
+
+
+# --------------------------------------------------------------------------------------------------------
+# Architecture from a Kimi-Linear config.json dict
+# --------------------------------------------------------------------------------------------------------
+def _get(cfg: dict, key: str, default=...):
+    if key in cfg and cfg[key] is not None:
+        return cfg[key]
+    if default is ...:
+        raise ConversionError(f"config.json: '{key}' is required to compute the checkpoint's tensors")
+    return default
+
+
+def layer_kinds(cfg: dict) -> tuple[list[str], list[str]]:
+    """Per 0-based layer: attention kind ("kda"/"mla") and MLP kind ("dense"/"moe") of a Kimi config dict."""
+    n_layers = _get(cfg, "num_hidden_layers")
+    lac = _get(cfg, "linear_attn_config")
+    attn: list[str | None] = [None] * n_layers
+    for key, kind in (("kda_layers", KDA), ("full_attn_layers", MLA)):
+        for one_based in lac.get(key) or []:
+            if not (isinstance(one_based, int) and 1 <= one_based <= n_layers):
+                raise ConversionError(f"linear_attn_config.{key}: expected 1-based layers in 1..{n_layers}, "
+                                      f"got {one_based!r}")
+            if attn[one_based - 1] is not None:
+                raise ConversionError(f"linear_attn_config: layer {one_based} is in both kda_layers and "
+                                      "full_attn_layers")
+            attn[one_based - 1] = kind
+    missing = [i + 1 for i, kind in enumerate(attn) if kind is None]
+    if missing:
+        raise ConversionError(f"linear_attn_config: 1-based layers {missing} are in neither kda_layers nor "
+                              "full_attn_layers")
+    if _get(cfg, "moe_layer_freq", 1) != 1:
+        raise ConversionError(f"config.json: moe_layer_freq must be 1, got {cfg['moe_layer_freq']!r}")
+    n_experts = _get(cfg, "num_experts", 0)
+    first_dense = _get(cfg, "first_k_dense_replace", 0)
+    mlp = [MOE if n_experts and i >= first_dense else DENSE for i in range(n_layers)]
+    return attn, mlp
+
+
+def kimi_inventory(cfg: dict) -> dict[str, Spec]:
+    """Every tensor of a Kimi Linear checkpoint with this config.json, in layer order."""
+    if _get(cfg, "attention_bias", False):
+        raise ConversionError("config.json: attention_bias=True has no Kimi Linear equivalent")
+    attn, mlp = layer_kinds(cfg)
+    D, vocab = _get(cfg, "hidden_size"), _get(cfg, "vocab_size")
+    lac = cfg["linear_attn_config"]
+    H, K = _get(lac, "num_heads"), _get(lac, "head_dim")  # KDA: K = V = head_dim
+    conv = _get(lac, "short_conv_kernel_size", 4)
+    n_heads = _get(cfg, "num_attention_heads")
+    nope, rope, v_dim = _get(cfg, "qk_nope_head_dim"), _get(cfg, "qk_rope_head_dim"), _get(cfg, "v_head_dim")
+    kv_rank, q_rank = _get(cfg, "kv_lora_rank"), _get(cfg, "q_lora_rank", None)
+
+    inv: dict[str, Spec] = {"model.embed_tokens.weight": Spec((vocab, D))}
+    for i, (attn_kind, mlp_kind) in enumerate(zip(attn, mlp)):
+        p = f"model.layers.{i}."
+        inv[p + "input_layernorm.weight"] = Spec((D,))
+        inv[p + "post_attention_layernorm.weight"] = Spec((D,))
+        a = p + "self_attn."
+        if attn_kind == KDA:
+            for x in "qkv":
+                inv[a + f"{x}_proj.weight"] = Spec((H * K, D))
+            for x in "qkv":
+                inv[a + f"{x}_conv1d.weight"] = Spec((H * K, 1, conv))
+            inv[a + "A_log"] = Spec((1, 1, H, 1), fp32=True)
+            inv[a + "dt_bias"] = Spec((H * K,), fp32=True)
+            inv[a + "f_a_proj.weight"] = Spec((K, D))
+            inv[a + "f_b_proj.weight"] = Spec((H * K, K))
+            inv[a + "b_proj.weight"] = Spec((H, D))
+            inv[a + "g_a_proj.weight"] = Spec((K, D))
+            inv[a + "g_b_proj.weight"] = Spec((H * K, K))
+            inv[a + "o_norm.weight"] = Spec((K,))
+            inv[a + "o_proj.weight"] = Spec((D, H * K))
+        else:
+            if q_rank is None:
+                inv[a + "q_proj.weight"] = Spec((n_heads * (nope + rope), D))
+            else:
+                inv[a + "q_a_proj.weight"] = Spec((q_rank, D))
+                inv[a + "q_a_layernorm.weight"] = Spec((q_rank,))
+                inv[a + "q_b_proj.weight"] = Spec((n_heads * (nope + rope), q_rank))
+            inv[a + "kv_a_proj_with_mqa.weight"] = Spec((kv_rank + rope, D))
+            inv[a + "kv_a_layernorm.weight"] = Spec((kv_rank,))
+            inv[a + "kv_b_proj.weight"] = Spec((n_heads * (nope + v_dim), kv_rank))
+            inv[a + "o_proj.weight"] = Spec((D, n_heads * v_dim))
+        if mlp_kind == DENSE:
+            inter = _get(cfg, "intermediate_size")
+            inv[p + "mlp.gate_proj.weight"] = Spec((inter, D))
+            inv[p + "mlp.up_proj.weight"] = Spec((inter, D))
+            inv[p + "mlp.down_proj.weight"] = Spec((D, inter))
+        else:
+            E, inter = _get(cfg, "num_experts"), _get(cfg, "moe_intermediate_size")
+            m = p + "block_sparse_moe."
+            inv[m + "gate.weight"] = Spec((E, D), no_downcast=True)
+            inv[m + "gate.e_score_correction_bias"] = Spec((E,), fp32=True)
+            for e in range(E):
+                inv[m + f"experts.{e}.w1.weight"] = Spec((inter, D))
+                inv[m + f"experts.{e}.w2.weight"] = Spec((D, inter))
+                inv[m + f"experts.{e}.w3.weight"] = Spec((inter, D))
+            shared = inter * _get(cfg, "num_shared_experts", 0)
+            if shared:
+                inv[m + "shared_experts.gate_proj.weight"] = Spec((shared, D))
+                inv[m + "shared_experts.up_proj.weight"] = Spec((shared, D))
+                inv[m + "shared_experts.down_proj.weight"] = Spec((D, shared))
+    inv["model.norm.weight"] = Spec((D,))
+    if not _get(cfg, "tie_word_embeddings", False):
+        inv["lm_head.weight"] = Spec((vocab, D))
+    return inv
+
+
+# --------------------------------------------------------------------------------------------------------
+# Rules: how each source naming produces the inventory
+# --------------------------------------------------------------------------------------------------------
+# A group lists alternatives (each a list of rules) for one piece of the target; the first alternative whose
+# sources are all present is used. Alternatives exist because transformers' `save_pretrained` writes the
+# original names by default (`save_original_format=True`) and its fused names otherwise.
+Group = list[list[Rule]]
+
+
+def _copy(name: str, spec: Spec, source: str | None = None) -> Rule:
+    return Rule("copy", (source or name,), (spec.shape,), (name,))
+
+
+def identity_groups(inventory: dict[str, Spec]) -> list[Group]:
+    """Original (or our) names -> the same names: one copy per tensor."""
+    return [[[_copy(name, spec)]] for name, spec in inventory.items()]
+
+
+def native_groups(cfg: dict, inventory: dict[str, Spec]) -> list[Group]:
+    """transformers-native `kimi_linear` names (fused or as saved with original names) -> original names."""
+    attn, mlp = layer_kinds(cfg)
+    groups: list[Group] = []
+    done: set[str] = set()
+
+    def add(alternatives: list[list[Rule]]):
+        groups.append(alternatives)
+        for rule in alternatives[0]:
+            done.update(rule.targets)
+
+    for i, (attn_kind, mlp_kind) in enumerate(zip(attn, mlp)):
+        p = f"model.layers.{i}."
+        if attn_kind == KDA:
+            a = p + "self_attn."
+            convs = tuple(a + f"{x}_conv1d.weight" for x in "qkv")
+            rows, _, width = inventory[convs[0]].shape
+            fused = Rule("split_conv", (a + "conv1d.weight",), ((3 * rows, 1, width),), convs)
+            add([[fused], [_copy(n, inventory[n]) for n in convs]])
+            for leaf in ("f_a_proj.weight", "f_b_proj.weight", "dt_bias", "A_log"):
+                name = a + leaf
+                add([[_copy(name, inventory[name], a + "forget_gate." + leaf)], [_copy(name, inventory[name])]])
+        if mlp_kind == DENSE:
+            for leaf in ("gate_proj.weight", "up_proj.weight", "down_proj.weight"):
+                name = p + "mlp." + leaf
+                # transformers reverses its `block_sparse_moe -> mlp` rename on every layer when it saves,
+                # dense ones included, so a natively saved dense MLP appears under `block_sparse_moe.`
+                add([[_copy(name, inventory[name])], [_copy(name, inventory[name], p + "block_sparse_moe." + leaf)]])
+        else:
+            m = p + "block_sparse_moe."
+            for leaf in ("gate.weight", "gate.e_score_correction_bias", "shared_experts.gate_proj.weight",
+                         "shared_experts.up_proj.weight", "shared_experts.down_proj.weight"):
+                name = m + leaf
+                if name in inventory:
+                    add([[_copy(name, inventory[name], p + "mlp." + leaf)], [_copy(name, inventory[name])]])
+            E = cfg["num_experts"]
+            inter, D = inventory[m + "experts.0.w1.weight"].shape
+            gate_up = tuple(m + f"experts.{e}.{w}.weight" for e in range(E) for w in ("w1", "w3"))
+            down = tuple(m + f"experts.{e}.w2.weight" for e in range(E))
+            add([[Rule("split_gate_up", (p + "mlp.experts.gate_up_proj",), ((E, 2 * inter, D),), gate_up)],
+                 [_copy(n, inventory[n]) for n in gate_up]])
+            add([[Rule("split_down", (p + "mlp.experts.down_proj",), ((E, D, inter),), down)],
+                 [_copy(n, inventory[n]) for n in down]])
+    groups.extend([[[_copy(name, spec)]] for name, spec in inventory.items() if name not in done])
+    return groups
+
+
+def apply_rule(rule: Rule, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Run one rule. Outputs own their storage (safetensors refuses tensors that share memory)."""
+    if rule.op == "copy":
+        return tensors
+    (x,) = tensors
+    if rule.op == "split_conv":  # [3*H*K, 1, W] in q, k, v order
+        return [t.clone() for t in x.chunk(3, dim=0)]
+    if rule.op == "split_gate_up":  # [E, 2*I, D]: rows [:I] are w1 (gate), rows [I:] are w3 (up)
+        inter = x.shape[1] // 2
+        return [x[e, half * inter:(half + 1) * inter].clone() for e in range(x.shape[0]) for half in (0, 1)]
+    if rule.op == "split_down":  # [E, D, I] -> E x w2 [D, I]
+        return [x[e].clone() for e in range(x.shape[0])]
+    raise AssertionError(f"unknown rule op {rule.op!r}")

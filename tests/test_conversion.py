@@ -1,0 +1,521 @@
+"""Checkpoint conversion: the real 48B inventory (meta tensors, no memory), tiny random checkpoints in every
+source layout against transformers' native model (an independent oracle), bit-exact round trips, and
+corrupted inputs that must fail with nothing written."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ._native import run_native, save_checkpoint
+from kda_hybrid.conversion import ConversionError, convert, convert_state_dict, kimi_inventory
+from kda_hybrid.conversion.__main__ import main as cli_main
+
+FIXTURE = Path(os.environ.get("KDA_HYBRID_FIXTURES", "/work/shared/fixtures")) / "kimi_linear_48b_a3b_tensors.tsv"
+
+# Kimi-Linear-48B-A3B's config.json, the fields that decide tensor names and shapes (DESIGN §5).
+REAL_CONFIG = {
+    "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", "vocab_size": 163840,
+    "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 27, "num_attention_heads": 32,
+    "num_key_value_heads": 32, "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "mla_use_nope": True,
+    "linear_attn_config": {"kda_layers": [i for i in range(1, 27) if i % 4], "full_attn_layers": [4, 8, 12, 16, 20, 24, 27],
+                           "head_dim": 128, "num_heads": 32, "short_conv_kernel_size": 4},
+    "num_experts": 256, "num_experts_per_token": 8, "num_shared_experts": 1, "moe_intermediate_size": 1024,
+    "first_k_dense_replace": 1, "routed_scaling_factor": 2.446, "moe_renormalize": True,
+    "moe_router_activation_func": "sigmoid", "moe_layer_freq": 1, "use_grouped_topk": True, "num_expert_group": 1,
+    "topk_group": 1, "tie_word_embeddings": False, "rms_norm_eps": 1e-5, "bos_token_id": 163584,
+    "eos_token_id": 163586, "pad_token_id": 163839,
+}
+
+
+def tiny_config(**overrides):
+    """5 layers (MLA at 1-based 4), dense first layer, 4 experts top-2, odd-ish sizes."""
+    cfg = {
+        "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", "vocab_size": 96,
+        "hidden_size": 32, "intermediate_size": 40, "num_hidden_layers": 5, "num_attention_heads": 2,
+        "num_key_value_heads": 2, "kv_lora_rank": 12, "q_lora_rank": None, "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 4, "v_head_dim": 6, "mla_use_nope": True,
+        "linear_attn_config": {"kda_layers": [1, 2, 3, 5], "full_attn_layers": [4], "head_dim": 8, "num_heads": 3,
+                               "short_conv_kernel_size": 4},
+        "num_experts": 4, "num_experts_per_token": 2, "num_shared_experts": 1, "moe_intermediate_size": 12,
+        "first_k_dense_replace": 1, "routed_scaling_factor": 2.446, "moe_renormalize": True,
+        "moe_router_activation_func": "sigmoid", "tie_word_embeddings": False, "rms_norm_eps": 1e-5,
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+    }
+    cfg.update(overrides)
+    return cfg
+
+
+# q_lora, tied embeddings, no shared expert, two dense layers, MLA first and last
+VARIANT = tiny_config(q_lora_rank=10, tie_word_embeddings=True, num_shared_experts=0, first_k_dense_replace=2,
+                      linear_attn_config={"kda_layers": [2, 3, 4], "full_attn_layers": [1, 5], "head_dim": 4,
+                                          "num_heads": 2, "short_conv_kernel_size": 3})
+
+
+def random_state_dict(cfg, *, seed=0, dtype=torch.float32):
+    """Random weights with realistic scales (unit activations, decays in the trained range, a router bias
+    large enough that biased and unbiased routing weights differ)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, spec in kimi_inventory(cfg).items():
+        shape = spec.shape
+        if name.endswith("A_log"):
+            t = torch.empty(shape).uniform_(1.0, 16.0, generator=gen).log()
+        elif name.endswith("dt_bias"):
+            t = torch.empty(shape).uniform_(-4.0, -1.0, generator=gen)
+        elif name.endswith("e_score_correction_bias"):
+            t = torch.rand(shape, generator=gen) * 0.5
+        elif len(shape) == 1:  # norms
+            t = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        elif name.endswith("conv1d.weight"):
+            t = 0.5 * torch.randn(shape, generator=gen)
+        elif name == "model.embed_tokens.weight":
+            t = torch.randn(shape, generator=gen)
+        else:
+            t = torch.randn(shape, generator=gen) / shape[-1] ** 0.5
+        out[name] = t.to(torch.float32 if spec.fp32 else dtype)
+    return out
+
+
+def to_native_names(state, cfg):
+    """Original names -> transformers' fused in-memory names (the inverse of the converter's native rules),
+    written independently of the converter: per KDA layer one conv1d, forget_gate.*; per MoE layer mlp.*
+    with experts stacked as gate_up_proj [E, 2I, D] (w1 then w3) and down_proj [E, D, I]."""
+    out = {}
+    experts: dict[str, dict] = {}
+    for name, t in state.items():
+        parts = name.split(".")
+        if name.endswith("_conv1d.weight"):
+            prefix = name.rsplit(".", 2)[0] + "."
+            if name.endswith("q_conv1d.weight"):
+                out[prefix + "conv1d.weight"] = torch.cat([state[prefix + f"{x}_conv1d.weight"] for x in "qkv"])
+        elif any(name.endswith("self_attn." + leaf) for leaf in ("f_a_proj.weight", "f_b_proj.weight", "dt_bias", "A_log")):
+            out[name.replace("self_attn.", "self_attn.forget_gate.")] = t
+        elif ".experts." in name:
+            layer, e, w = ".".join(parts[:3]), int(parts[5]), parts[6]
+            experts.setdefault(layer, {})[(e, w)] = t
+        else:
+            out[name.replace(".block_sparse_moe.", ".mlp.")] = t
+    E = cfg["num_experts"]
+    for layer, ws in experts.items():
+        out[layer + ".mlp.experts.gate_up_proj"] = torch.stack([torch.cat([ws[e, "w1"], ws[e, "w3"]]) for e in range(E)])
+        out[layer + ".mlp.experts.down_proj"] = torch.stack([ws[e, "w2"] for e in range(E)])
+    return out
+
+
+def read_folder(folder):
+    """All tensors of a checkpoint folder (any shard layout)."""
+    folder = Path(folder)
+    out = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            out.update({n: f.get_tensor(n) for n in f.keys()})
+    return out
+
+
+def assert_bit_exact(actual: dict, expected: dict):
+    assert sorted(actual) == sorted(expected)
+    for name, t in expected.items():
+        assert actual[name].dtype == t.dtype, name
+        assert actual[name].shape == t.shape, name
+        assert torch.equal(actual[name].view(torch.uint8), t.contiguous().view(torch.uint8)), name
+
+
+def leftovers(parent: Path):
+    return sorted(p.name for p in parent.iterdir() if p.name.startswith("."))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# (a) The real 48B checkpoint's inventory, as meta tensors
+# ---------------------------------------------------------------------------------------------------------
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp32?": torch.float32}  # "fp32?": treat as fp32
+
+
+@pytest.fixture(scope="module")
+def real_meta():
+    rows = [line.rstrip("\n").split("\t") for line in FIXTURE.read_text().splitlines()]
+    return {name: torch.empty(json.loads(shape), dtype=_DTYPES[dt], device="meta") for name, shape, dt in rows}
+
+
+def test_real_inventory_matches_fixture(real_meta):
+    inventory = kimi_inventory(REAL_CONFIG)
+    assert len(real_meta) == len(inventory) == 20493
+    assert list(inventory) == list(real_meta)  # same names, same (layer) order
+    for name, t in real_meta.items():
+        assert inventory[name].shape == tuple(t.shape), name
+        assert inventory[name].fp32 == (t.dtype == torch.float32), name
+    assert sum(t.numel() for t in real_meta.values()) / 1e9 == pytest.approx(49.1, abs=0.05)
+
+
+def test_real_dry_run_round_trip(real_meta):
+    ours = convert_state_dict(real_meta, REAL_CONFIG, source="kimi_linear")
+    assert all(t.device.type == "meta" for t in ours.values())
+    assert {n: (t.shape, t.dtype) for n, t in ours.items()} == {n: (t.shape, t.dtype) for n, t in real_meta.items()}
+    back = convert_state_dict(ours, REAL_CONFIG, source="kimi_linear")  # ours -> original is the same naming
+    assert {n: (t.shape, t.dtype) for n, t in back.items()} == {n: (t.shape, t.dtype) for n, t in real_meta.items()}
+
+
+def test_real_dry_run_from_native_fused_names(real_meta):
+    native = to_native_names(real_meta, REAL_CONFIG)
+    assert len(native) == 20493 - 26 * 3 * 256 + 26 * 2 - 20 * 2  # experts fused, q/k/v conv fused
+    ours = convert_state_dict(native, REAL_CONFIG, source="transformers")
+    assert {n: (t.shape, t.dtype) for n, t in ours.items()} == {n: (t.shape, t.dtype) for n, t in real_meta.items()}
+
+
+def test_real_dry_run_cast(real_meta):
+    ours = convert_state_dict(real_meta, REAL_CONFIG, source="kimi_linear", dtype="float16")
+    kept = {n for n in ours if n.endswith(("A_log", "dt_bias", "e_score_correction_bias"))}
+    assert len(kept) == 20 * 2 + 26
+    assert all(ours[n].dtype == (torch.float32 if n in kept else torch.float16) for n in ours)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# (c) Round trips on disk are bit-exact; every source layout gives the same tensors
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cfg", [tiny_config(), VARIANT], ids=["tiny", "qlora-tied-noshared"])
+def test_round_trip_bit_exact(tmp_path, cfg):
+    state = random_state_dict(cfg, dtype=torch.bfloat16)
+    src = save_checkpoint(tmp_path / "kimi", state, cfg, shards=3)
+    (src / "tokenizer_config.json").write_text('{"bos_token": "<s>"}')
+    (src / "generation_config.json").write_text('{"bos_token_id": 1}')
+    (src / "modeling_kimi.py").write_text("# the Hub's remote code: not carried into our format\n")
+
+    ours = convert(src, tmp_path / "ours", source="kimi_linear", max_shard_size="4KB", progress=False)
+    files = {p.name for p in ours.iterdir()}
+    assert {"config.json", "model.safetensors.index.json", "tokenizer_config.json", "generation_config.json"} <= files
+    assert "modeling_kimi.py" not in files
+    shards = sorted(ours.glob("model-*.safetensors"))
+    assert len(shards) > 3 and all(_tensor_bytes(p) <= 4000 or _n_tensors(p) == 1 for p in shards)
+    index = json.loads((ours / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(state) and set(index["weight_map"].values()) == {p.name for p in shards}
+    config = json.loads((ours / "config.json").read_text())
+    assert config["model_type"] == "kda_hybrid" and config["router_weights_from_biased_scores"] is True
+    assert config["dtype"] == "bfloat16"
+    assert_bit_exact(read_folder(ours), state)
+
+    back = convert(ours, tmp_path / "back", target="kimi_linear", progress=False)  # source detected: ours
+    assert_bit_exact(read_folder(back), state)
+    kimi_back = json.loads((back / "config.json").read_text())
+    assert kimi_back["model_type"] == "kimi_linear" and kimi_back["linear_attn_config"] == cfg["linear_attn_config"]
+    assert kimi_inventory(kimi_back) == kimi_inventory(cfg)
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id", "routed_scaling_factor", "num_experts_per_token",
+                "moe_renormalize", "rms_norm_eps", "tie_word_embeddings"):
+        assert kimi_back[key] == cfg[key], key
+    assert (back / "tokenizer_config.json").read_text() == '{"bos_token": "<s>"}'
+
+
+def _n_tensors(path):
+    with safe_open(path, "pt") as f:
+        return len(list(f.keys()))
+
+
+def _tensor_bytes(path):
+    return sum(t.numel() * t.element_size() for t in read_folder_file(path).values())
+
+
+def read_folder_file(path):
+    with safe_open(path, "pt") as f:
+        return {n: f.get_tensor(n) for n in f.keys()}
+
+
+def test_native_fused_and_bin_sources(tmp_path):
+    cfg = tiny_config()
+    state = random_state_dict(cfg)
+    native_cfg = {**cfg, "layer_types": ["linear_attention"] * 3 + ["full_attention", "linear_attention"],
+                  "mlp_layer_types": ["dense"] + ["sparse"] * 4}
+    src = save_checkpoint(tmp_path / "native", to_native_names(state, cfg), native_cfg, shards=4)
+    out = convert(src, tmp_path / "from-native", progress=False)  # detected: transformers
+    assert json.loads((out / "config.json").read_text())["router_weights_from_biased_scores"] is False
+    assert_bit_exact(read_folder(out), state)
+
+    bin_src = tmp_path / "bin"
+    bin_src.mkdir()
+    (bin_src / "config.json").write_text(json.dumps(cfg))
+    torch.save(state, bin_src / "pytorch_model.bin")
+    out = convert(bin_src, tmp_path / "from-bin", dtype="bfloat16", progress=False)
+    converted = read_folder(out)
+    assert converted["model.layers.0.self_attn.A_log"].dtype == torch.float32
+    assert converted["model.layers.1.block_sparse_moe.gate.weight"].dtype == torch.float32  # never rounded down
+    assert converted["model.layers.1.block_sparse_moe.experts.0.w1.weight"].dtype == torch.bfloat16
+    torch.testing.assert_close(converted["model.norm.weight"], state["model.norm.weight"].bfloat16(), rtol=0, atol=0)
+
+
+def test_native_saved_with_original_names(tmp_path):
+    """transformers' default `save_pretrained` (save_original_format=True) reverses its renames, but also
+    renames the dense MLP of layer 0 to `block_sparse_moe.{gate,up,down}_proj` (seen with 5.24), which the
+    original checkpoint never had. The converter accepts that spelling from a transformers source."""
+    cfg = tiny_config()
+    state = random_state_dict(cfg)
+    saved = {n.replace("layers.0.mlp.", "layers.0.block_sparse_moe."): t for n, t in state.items()}
+    native_cfg = {**cfg, "layer_types": ["linear_attention"] * 3 + ["full_attention", "linear_attention"]}
+    src = save_checkpoint(tmp_path / "native", saved, native_cfg, shards=2)
+    assert_bit_exact(read_folder(convert(src, tmp_path / "out", progress=False)), state)
+    with pytest.raises(ConversionError, match="unexpected tensors: model.layers.0.block_sparse_moe.down_proj"):
+        convert(src, tmp_path / "strict", source="kimi_linear", progress=False)
+
+
+def test_streams_one_shard_at_a_time(tmp_path, monkeypatch):
+    """One source file open at a time, and output buffered up to max_shard_size only."""
+    from kda_hybrid.conversion import checkpoint
+
+    cfg = tiny_config(vocab_size=64)
+    src = save_checkpoint(tmp_path / "src", random_state_dict(cfg), cfg, shards=5)
+    open_files, widest, buffered = [], [0], [0]
+    original_open, original_add = checkpoint.FolderSource.open, checkpoint.ShardWriter.add
+
+    def tracking_open(self, file):
+        cm = original_open(self, file)
+
+        class Tracked:
+            def __enter__(inner):
+                open_files.append(file)
+                widest[0] = max(widest[0], len(open_files))
+                return cm.__enter__()
+
+            def __exit__(inner, *exc):
+                open_files.remove(file)
+                return cm.__exit__(*exc)
+
+        return Tracked()
+
+    def tracking_add(self, name, tensor):
+        original_add(self, name, tensor)
+        if len(self._buffer) > 1:
+            buffered[0] = max(buffered[0], self._buffer_bytes)
+
+    monkeypatch.setattr(checkpoint.FolderSource, "open", tracking_open)
+    monkeypatch.setattr(checkpoint.ShardWriter, "add", tracking_add)
+    convert(src, tmp_path / "out", max_shard_size="6KB", progress=False)
+    assert widest[0] == 1 and 0 < buffered[0] <= 6000
+
+
+@pytest.mark.slow
+def test_peak_memory_is_about_one_shard(tmp_path):
+    """Peak RSS of the conversion stays far below the model size (8 source shards of ~20 MB, 20 MB output
+    shards). Measured in a subprocess, after resetting the kernel's high-water mark past the imports."""
+    if not Path("/proc/self/clear_refs").exists():
+        pytest.skip("needs Linux /proc to reset and read the RSS high-water mark")
+    cfg = tiny_config(vocab_size=26000, hidden_size=256, intermediate_size=512, moe_intermediate_size=512,
+                      num_experts=16, num_hidden_layers=5)
+    state = random_state_dict(cfg)
+    model_mb = sum(t.numel() * t.element_size() for t in state.values()) / 2**20
+    src = save_checkpoint(tmp_path / "src", state, cfg, shards=8)
+    del state
+    script = (
+        "import re, sys, torch\n"
+        "from kda_hybrid.conversion import convert\n"
+        "status = lambda key: int(re.search(key + r':\\s+(\\d+)', open('/proc/self/status').read()).group(1))\n"
+        "open('/proc/self/clear_refs', 'w').write('5')  # reset VmHWM to the current RSS\n"
+        "base = status('VmRSS')\n"
+        "convert(sys.argv[1], sys.argv[2], max_shard_size='20MB', progress=False)\n"
+        "print((status('VmHWM') - base) / 1024)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script, str(src), str(tmp_path / "out")], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    grown = float(proc.stdout.split()[-1])
+    assert model_mb > 150 and grown < 0.5 * model_mb, f"peak RSS grew {grown:.0f} MB for a {model_mb:.0f} MB model"
+
+
+def test_cli(tmp_path, capsys):
+    cfg = tiny_config()
+    src = save_checkpoint(tmp_path / "kimi", random_state_dict(cfg), cfg, shards=2)
+    dst = tmp_path / "out"
+    assert cli_main([str(src), str(dst), "--from", "kimi_linear", "--unbiased-router", "--dtype", "bfloat16",
+                     "--no-progress"]) == 0
+    config = json.loads((dst / "config.json").read_text())
+    assert config["router_weights_from_biased_scores"] is False and config["dtype"] == "bfloat16"
+    assert cli_main([str(src), str(dst), "--no-progress"]) == 1
+    assert "already exists" in capsys.readouterr().err
+    assert cli_main([str(src), str(dst), "--no-progress", "--overwrite", "--biased-router"]) == 0
+    assert json.loads((dst / "config.json").read_text())["router_weights_from_biased_scores"] is True
+    assert leftovers(tmp_path) == []
+
+
+# ---------------------------------------------------------------------------------------------------------
+# (d) Corrupted inputs fail cleanly, naming the tensors, with nothing written
+# ---------------------------------------------------------------------------------------------------------
+def _corrupt_missing(state):
+    del state["model.layers.1.block_sparse_moe.experts.3.w2.weight"]
+    return "missing tensors: model.layers.1.block_sparse_moe.experts.3.w2.weight"
+
+
+def _corrupt_shape(state):
+    state["model.layers.3.self_attn.kv_b_proj.weight"] = torch.zeros(5, 12)
+    return "model.layers.3.self_attn.kv_b_proj.weight (expected [28, 12], got [5, 12])"
+
+
+def _corrupt_unknown(state):
+    state["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.zeros(4)
+    return "unexpected tensors: model.layers.0.self_attn.rotary_emb.inv_freq"
+
+
+@pytest.mark.parametrize("corrupt", [_corrupt_missing, _corrupt_shape, _corrupt_unknown],
+                         ids=["missing", "wrong-shape", "unknown-key"])
+def test_bad_tensors_fail_cleanly(tmp_path, corrupt):
+    cfg = tiny_config()
+    state = random_state_dict(cfg)
+    expected = corrupt(state)
+    src = save_checkpoint(tmp_path / "src", state, cfg, shards=2)
+    with pytest.raises(ConversionError) as err:
+        convert(src, tmp_path / "out", progress=False)
+    assert expected in str(err.value)
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+
+
+def test_truncated_shard_and_index_mismatch(tmp_path):
+    cfg = tiny_config()
+    src = save_checkpoint(tmp_path / "src", random_state_dict(cfg), cfg, shards=3)
+    shard = src / "model-00002-of-00003.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ConversionError, match="model-00002-of-00003.safetensors: cannot read"):
+        convert(src, tmp_path / "out", progress=False)
+    shard.write_bytes(data)
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.norm.weight"] = "model-00001-of-00003.safetensors"
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ConversionError, match="listed in the index but not in that shard: model.norm.weight"):
+        convert(src, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+
+
+def test_failure_mid_stream_keeps_existing_output(tmp_path, monkeypatch):
+    cfg = tiny_config()
+    src = save_checkpoint(tmp_path / "src", random_state_dict(cfg), cfg, shards=2)
+    dst = tmp_path / "out"
+    dst.mkdir()
+    (dst / "keep.txt").write_text("previous output")
+    with pytest.raises(ConversionError, match="already exists"):
+        convert(src, dst, progress=False)
+
+    from kda_hybrid.conversion import checkpoint
+
+    calls = []
+
+    def failing_add(self, name, tensor):
+        calls.append(name)
+        if len(calls) == 40:
+            raise OSError("disk full")
+        original_add(self, name, tensor)
+
+    original_add = checkpoint.ShardWriter.add
+    monkeypatch.setattr(checkpoint.ShardWriter, "add", failing_add)
+    with pytest.raises(OSError, match="disk full"):
+        convert(src, dst, overwrite=True, max_shard_size="2KB", progress=False)
+    assert sorted(p.name for p in dst.iterdir()) == ["keep.txt"] and leftovers(tmp_path) == []
+
+
+def test_pickled_bin_is_refused(tmp_path):
+    cfg = tiny_config()
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps(cfg))
+    torch.save({"model.norm.weight": torch.ones(32), "payload": Path("/etc/passwd")}, src / "pytorch_model.bin")
+    with pytest.raises(ConversionError, match="pytorch_model.bin: cannot read"):
+        convert(src, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_config_errors(tmp_path):
+    cfg = tiny_config(linear_attn_config={"kda_layers": [1, 2], "full_attn_layers": [4], "head_dim": 8,
+                                          "num_heads": 3, "short_conv_kernel_size": 4})
+    with pytest.raises(ConversionError, match=r"1-based layers \[3, 5\] are in neither"):
+        kimi_inventory(cfg)
+    native = {**tiny_config(), "mlp_layer_types": ["dense", "sparse", "dense", "sparse", "sparse"]}
+    with pytest.raises(ConversionError, match="mlp_layer_types"):
+        convert_state_dict({}, native, source="transformers")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# (b) Against transformers' native KimiLinearForCausalLM on the same weights
+# ---------------------------------------------------------------------------------------------------------
+def _model_class():
+    try:
+        from kda_hybrid.modeling_kda_hybrid import KDAHybridForCausalLM
+    except ImportError as err:  # the model lands separately from the converter
+        pytest.skip(f"kda_hybrid.modeling_kda_hybrid is not available yet ({err})")
+    return KDAHybridForCausalLM
+
+
+@pytest.mark.parametrize("cfg", [tiny_config(), VARIANT], ids=["tiny", "qlora-tied-noshared"])
+def test_model_parameters_match_inventory(cfg):
+    """Our model's own state dict is exactly the inventory the converter validates against."""
+    from kda_hybrid.configuration_kda_hybrid import KDAHybridConfig
+
+    model_cls = _model_class()
+    with torch.device("meta"):
+        model = model_cls(KDAHybridConfig(**{k: v for k, v in cfg.items() if k != "architectures"}))
+    state = model.state_dict()
+    if cfg["tie_word_embeddings"]:  # one tensor under two names; save_pretrained writes it once
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        del state["lm_head.weight"]
+    inventory = kimi_inventory(cfg)
+    assert sorted(state) == sorted(inventory)
+    assert {n: tuple(t.shape) for n, t in state.items()} == {n: s.shape for n, s in inventory.items()}
+
+
+def test_logits_and_generation_match_native(tmp_path):
+    model_cls = _model_class()
+    cfg = tiny_config()
+    src = save_checkpoint(tmp_path / "kimi", random_state_dict(cfg, seed=1), cfg, shards=3)
+    input_ids = torch.randint(3, cfg["vocab_size"], (2, 13), generator=torch.Generator().manual_seed(0))
+    # ours -> original, loaded by transformers from the original names: the same function again
+    back = convert(convert(src, tmp_path / "ours", progress=False), tmp_path / "back", target="kimi_linear",
+                   progress=False)
+    ref, ref_back = run_native([src, back], input_ids, max_new_tokens=8, save_native_to=[tmp_path / "native", None])
+    torch.testing.assert_close(ref_back["logits"], ref["logits"], rtol=0, atol=0)
+    native_dir = tmp_path / "native"
+    weight_map = json.loads((native_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(weight_map.values())) > 2 and "model.layers.1.mlp.experts.gate_up_proj" in weight_map
+
+    outputs = {
+        "kimi-unbiased": convert(src, tmp_path / "a", source="kimi_linear", router_weights_from_biased_scores=False,
+                                 progress=False),
+        "transformers": convert(native_dir, tmp_path / "b", progress=False),  # detected; unbiased by default
+    }
+    scale = ref["logits"].abs().max()
+    for label, folder in outputs.items():
+        model = model_cls.from_pretrained(folder, dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits = model(input_ids).logits.float()
+            err = (logits - ref["logits"]).abs().max()
+            assert err <= 1e-4 * scale, f"{label}: max abs error {err:.3e} > 1e-4 * {scale:.3e}"
+            tokens = model.generate(input_ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+        assert torch.equal(tokens[:, input_ids.shape[1]:], ref["tokens"]), label
+
+    # The default for an original checkpoint is the Hub code's biased routing: with a non-zero router bias
+    # it must give different logits from transformers' (unbiased) model, or the flag does nothing.
+    biased = convert(src, tmp_path / "c", progress=False)
+    model = model_cls.from_pretrained(biased, dtype=torch.float32).eval()
+    assert model.config.router_weights_from_biased_scores is True
+    with torch.no_grad():
+        assert (model(input_ids).logits - ref["logits"]).abs().max() > 1e-3 * scale
+
+
+@pytest.mark.slow
+def test_output_loads_with_trust_remote_code(tmp_path):
+    _model_class()
+    cfg = tiny_config()
+    src = save_checkpoint(tmp_path / "kimi", random_state_dict(cfg), cfg)
+    out = convert(src, tmp_path / "ours", progress=False)
+    assert {"configuration_kda_hybrid.py", "modeling_kda_hybrid.py"} <= {p.name for p in out.iterdir()}
+    script = (
+        "import sys, torch\n"
+        "from transformers import AutoModelForCausalLM\n"
+        "m = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True, dtype=torch.float32)\n"
+        "assert type(m).__module__.startswith('transformers_modules'), type(m).__module__\n"
+        "print(m(torch.tensor([[3, 4, 5]])).logits.shape)\n"
+    )
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-c", script, str(out)], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "torch.Size([1, 3, 96])" in proc.stdout

@@ -24,6 +24,7 @@ from .cache_kda_hybrid import KDAHybridCache, KDALayerState, KVLayerState, _Segm
 from .configuration_kda_hybrid import KDAHybridConfig
 from .kda_ops import chunk_kda, fused_recurrent_kda
 
+ABSORB_MAX_QUERY = 16  # MLA: queries up to this long (decode, draft verification) attend in latent space
 MLA_NORM_EPS = 1e-6  # kv_a_layernorm / q_a_layernorm epsilon of the Kimi-Linear MLA (not rms_norm_eps)
 
 
@@ -252,6 +253,8 @@ class KDAHybridMLAttention(nn.Module):
         if cache_layer is not None:
             latent, k_rot = cache_layer.update(latent, k_rot)
         Tk = latent.shape[2]
+        if T <= ABSORB_MAX_QUERY and Tk > T:
+            return self._absorbed(q, latent, k_rot, attention_mask)
         kv = self.kv_b_proj(latent.squeeze(1)).view(B, Tk, self.num_heads, -1).transpose(1, 2)
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)  # [B, H, Tk, .]
         k = torch.cat((k_nope, k_rot.expand(-1, self.num_heads, -1, -1)), dim=-1)
@@ -259,6 +262,30 @@ class KDAHybridMLAttention(nn.Module):
             self, q, k, v, attention_mask, dropout=self.config.attention_dropout if self.training else 0.0,
             scaling=self.scaling, **kwargs,
         )
+        return self.o_proj(out.reshape(B, T, -1))
+
+    def _absorbed(self, q, latent, k_rot, attention_mask):
+        """Decode against the cached latent without expanding it: kv_b_proj's key half is folded into the
+        query and its value half applied after attention. Per step this costs H * Tk * (r + rope) instead of
+        Tk * r * H * (nope + v) for re-expanding every cached token (128x less at 4K context for Kimi-48B).
+        q [B, H, T, nope + rope], latent [B, 1, Tk, r], k_rot [B, 1, Tk, rope]."""
+        B, Hq, T, _ = q.shape
+        Tk = latent.shape[2]
+        w = self.kv_b_proj.weight.view(Hq, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        w_k, w_v = w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]  # [H, nope, r], [H, v, r]
+        q_nope, q_rope = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        q_lat = torch.einsum("bhtn,hnr->bhtr", q_nope, w_k)
+        scores = (q_lat @ latent.transpose(-1, -2) + q_rope @ k_rot.transpose(-1, -2)) * self.scaling  # [B,H,T,Tk]
+        if attention_mask is None:
+            if T > 1:  # causal among the new tokens, everything cached is visible
+                causal = torch.ones(T, Tk, dtype=torch.bool, device=q.device).tril(Tk - T)
+                scores = scores.masked_fill(~causal, torch.finfo(scores.dtype).min)
+        elif attention_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+        else:
+            scores = scores + attention_mask
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.einsum("bhtr,hvr->bthv", probs @ latent, w_v)  # [B, T, H, v]
         return self.o_proj(out.reshape(B, T, -1))
 
 

@@ -41,6 +41,9 @@ from .kda_torch import L2NORM_EPS, chunk_kda_torch, l2norm
 CHUNK_SIZE = 64  # tokens per chunk (BT), as kda_torch.CHUNK_SIZE
 SUB_CHUNK = 16  # BC: side of the sub-blocks of A; 16 is the smallest tl.dot tile
 MAX_HEAD_DIM = 256  # K and V are held whole in one register tile
+# The scan's loop loads ~100 KB of tiles per chunk at K = V = 128 in fp32: triton's default 3-stage pipeline
+# needs 247 KB of shared memory (over sm_90's 227 KB); 2 stages need 140 KB (compiled for sm_90 with ptxas).
+SCAN_NUM_STAGES = 2
 # masked exponents are set to -inf before exp (exp(-inf) = 0): the discarded lanes never hold inf
 NEG_INF = tl.constexpr(float("-inf"))
 
@@ -464,7 +467,8 @@ def _chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, c
     h0 = initial_state.contiguous() if initial_state is not None else None
     _kda_state_scan_kernel[(triton.cdiv(V, BVS), N, H)](
         k, w, u, G, h0 if h0 is not None else h, ht if ht is not None else h, h, v_new, cu, chunk_offsets,
-        H=H, K=K, V=V, BT=BT, BK=BK, BV=BVS, HAS_H0=h0 is not None, STORE_HT=ht is not None, DOT_PREC=prec)
+        H=H, K=K, V=V, BT=BT, BK=BK, BV=BVS, HAS_H0=h0 is not None, STORE_HT=ht is not None, DOT_PREC=prec,
+        num_warps=4, num_stages=SCAN_NUM_STAGES)
 
     o = torch.empty(B, T, H, V, device=q.device, dtype=v.dtype)
     BVO = min(BV, 64)

@@ -15,7 +15,7 @@ from kda_hybrid import chunk_kda, fused_recurrent_kda
 from kda_hybrid import kda_ops
 from kda_hybrid.kda_torch import chunk_kda_torch, recurrent_kda_reference
 
-from test_ops import assert_close_rel, make_inputs
+from .test_ops import assert_close_rel, make_inputs
 
 pytestmark = pytest.mark.triton
 
@@ -266,3 +266,62 @@ def test_interpreter_env_is_scoped():
     """Outside CUDA this module runs kernels in the interpreter; the variable is visible to them."""
     if not CUDA:
         assert os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ------------------------------------------------------------------------------------------------
+# Without a GPU: compile every kernel for sm_90 (H100/H200) with triton's bundled ptxas, so type errors
+# and shared-memory overruns that the interpreter cannot see show up on CPU. Runs in a subprocess: this
+# module's interpreter mode must not leak into the compiler.
+# ------------------------------------------------------------------------------------------------
+
+SM90_MAX_SHARED = 232448  # bytes of shared memory one block may use on sm_90
+
+
+def _compile_all_for_sm90(dtype: str) -> list[str]:
+    """Compile the six kernels at K = V = 128, H = 16 for `dtype` inputs; returns one line per kernel."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kt = kda_triton
+    prec = "ieee" if dtype == "fp32" else "tf32"
+    fp32_buffers = ("G", "Akk", "Aqk", "w", "u", "h0", "ht", "h", "v_new")
+    types = dict(cu_seqlens="*i32", chunk_indices="*i32", chunk_offsets="*i32", scale="fp32", T="i32",
+                 **{n: "*fp32" for n in fp32_buffers})
+    base = dict(H=16, K=128, BT=64, BK=128)
+    jobs = [
+        (kt._kda_gate_cumsum_kernel, base, 3),
+        (kt._kda_intra_fwd_kernel, dict(base, BC=16, DOT_PREC=prec), 3),
+        (kt._kda_solve_wu_kernel, dict(base, V=128, BC=16, BV=128, DOT_PREC=prec), 3),
+        (kt._kda_state_scan_kernel, dict(base, V=128, BV=32, HAS_H0=True, STORE_HT=True, DOT_PREC=prec),
+         kt.SCAN_NUM_STAGES),
+        (kt._kda_output_kernel, dict(base, V=128, BV=64, DOT_PREC=prec), 3),
+        (kt._kda_fused_recurrent_kernel, dict(H=16, K=128, V=128, BK=128, BV=32, IS_VARLEN=False, HAS_H0=True,
+                                              STORE_HT=True, USE_QK_L2NORM=True, L2_EPS=1e-6), 3),
+    ]
+    lines = []
+    for lazy, consts, stages in jobs:
+        fn = triton.jit(lazy.fn)
+        sig = {n: "constexpr" if n in consts else types.get(n, "*" + dtype) for n in fn.arg_names}
+        kernel = triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                                options=dict(num_warps=4, num_stages=stages))
+        shared = kernel.metadata.shared
+        assert shared <= SM90_MAX_SHARED, f"{lazy.fn.__name__} needs {shared} B of shared memory"
+        lines.append(f"{lazy.fn.__name__} shared={shared}")
+    return lines
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_kernels_compile_for_sm90(dtype):
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("from tests.test_triton import _compile_all_for_sm90; "
+            f"print('\\n'.join(_compile_all_for_sm90({dtype!r})))")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True)
+    if run.returncode != 0 and "ptxas" in run.stderr and "not found" in run.stderr:
+        pytest.skip("triton's bundled ptxas is missing")
+    assert run.returncode == 0, run.stderr[-3000:]

@@ -49,7 +49,6 @@ def run_native(model_dirs, input_ids, *, max_new_tokens: int = 0, save_native_to
     continuation (`generate`, cache on). One subprocess for all folders (importing transformers is most of
     the cost). `save_native_to` (list of folders or None, parallel to `model_dirs`): also save each model
     with transformers' own fused names (`save_original_format=False`), in shards of `max_shard_size`."""
-    import torch
     from safetensors.torch import load_file, save_file
 
     model_dirs = [str(d) for d in model_dirs]

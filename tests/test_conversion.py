@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from ._native import run_native, save_checkpoint
 from kda_hybrid.conversion import ConversionError, convert, convert_state_dict, kimi_inventory
@@ -25,7 +24,8 @@ REAL_CONFIG = {
     "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 27, "num_attention_heads": 32,
     "num_key_value_heads": 32, "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128,
     "qk_rope_head_dim": 64, "v_head_dim": 128, "mla_use_nope": True,
-    "linear_attn_config": {"kda_layers": [i for i in range(1, 27) if i % 4], "full_attn_layers": [4, 8, 12, 16, 20, 24, 27],
+    "linear_attn_config": {"kda_layers": [i for i in range(1, 27) if i % 4],
+                           "full_attn_layers": [4, 8, 12, 16, 20, 24, 27],
                            "head_dim": 128, "num_heads": 32, "short_conv_kernel_size": 4},
     "num_experts": 256, "num_experts_per_token": 8, "num_shared_experts": 1, "moe_intermediate_size": 1024,
     "first_k_dense_replace": 1, "routed_scaling_factor": 2.446, "moe_renormalize": True,
@@ -84,6 +84,9 @@ def random_state_dict(cfg, *, seed=0, dtype=torch.float32):
     return out
 
 
+FORGET_GATE = ("f_a_proj.weight", "f_b_proj.weight", "dt_bias", "A_log")
+
+
 def to_native_names(state, cfg):
     """Original names -> transformers' fused in-memory names (the inverse of the converter's native rules),
     written independently of the converter: per KDA layer one conv1d, forget_gate.*; per MoE layer mlp.*
@@ -96,7 +99,7 @@ def to_native_names(state, cfg):
             prefix = name.rsplit(".", 2)[0] + "."
             if name.endswith("q_conv1d.weight"):
                 out[prefix + "conv1d.weight"] = torch.cat([state[prefix + f"{x}_conv1d.weight"] for x in "qkv"])
-        elif any(name.endswith("self_attn." + leaf) for leaf in ("f_a_proj.weight", "f_b_proj.weight", "dt_bias", "A_log")):
+        elif name.endswith(tuple("self_attn." + leaf for leaf in FORGET_GATE)):
             out[name.replace("self_attn.", "self_attn.forget_gate.")] = t
         elif ".experts." in name:
             layer, e, w = ".".join(parts[:3]), int(parts[5]), parts[6]
@@ -105,7 +108,8 @@ def to_native_names(state, cfg):
             out[name.replace(".block_sparse_moe.", ".mlp.")] = t
     E = cfg["num_experts"]
     for layer, ws in experts.items():
-        out[layer + ".mlp.experts.gate_up_proj"] = torch.stack([torch.cat([ws[e, "w1"], ws[e, "w3"]]) for e in range(E)])
+        out[layer + ".mlp.experts.gate_up_proj"] = torch.stack([torch.cat([ws[e, "w1"], ws[e, "w3"]])
+                                                                for e in range(E)])
         out[layer + ".mlp.experts.down_proj"] = torch.stack([ws[e, "w2"] for e in range(E)])
     return out
 

@@ -18,7 +18,7 @@ import torch
 
 from .checkpoint import FolderSource, Header, MemorySink, MemorySource, ShardWriter, Source, name_list, parse_size
 from .configs import (
-    KDA_HYBRID, KIMI_LINEAR, SOURCE_FORMATS, TARGET_FORMATS, TRANSFORMERS, detect_format, kda_hybrid_config,
+    KDA_HYBRID, SOURCE_FORMATS, TARGET_FORMATS, TRANSFORMERS, detect_format, kda_hybrid_config,
     kimi_linear_config, read_config, source_router_semantics, source_to_kimi_dict,
 )
 from .layout import ConversionError, Group, Rule, Spec, apply_rule, identity_groups, kimi_inventory, native_groups
@@ -48,17 +48,17 @@ def make_plan(headers: Mapping[str, Header], groups: list[Group], inventory: dic
     rules: list[Rule] = []
     missing: list[str] = []
     for alternatives in groups:
-        present = [sum(s in headers for r in alt for s in r.sources) for alt in alternatives]
-        complete = [alt for alt, n in zip(alternatives, present) if n == sum(len(r.sources) for r in alt)]
+        present = [sum(r.source in headers for r in alt) for alt in alternatives]
+        complete = [alt for alt, n in zip(alternatives, present) if n == len(alt)]
         if complete:
             rules.extend(complete[0])
         else:  # report the naming the source mostly uses
             best = alternatives[max(range(len(alternatives)), key=present.__getitem__)]
-            missing.extend(s for r in best for s in r.sources if s not in headers)
-    consumed = {s for r in rules for s in r.sources}
+            missing.extend(r.source for r in best if r.source not in headers)
+    consumed = {r.source for r in rules}
     unexpected = sorted(set(headers) - consumed)
-    bad_shape = [f"{s} (expected {list(shape)}, got {list(headers[s].shape)})"
-                 for r in rules for s, shape in zip(r.sources, r.source_shapes) if tuple(headers[s].shape) != shape]
+    bad_shape = [f"{r.source} (expected {list(r.source_shape)}, got {list(headers[r.source].shape)})"
+                 for r in rules if tuple(headers[r.source].shape) != r.source_shape]
     bad_dtype = sorted(f"{s} ({headers[s].dtype})" for s in consumed if not headers[s].dtype.is_floating_point)
     problems = [p for p in (name_list("missing tensors", missing), name_list("unexpected tensors", unexpected),
                             name_list("tensors with the wrong shape", bad_shape),
@@ -72,7 +72,7 @@ def make_plan(headers: Mapping[str, Header], groups: list[Group], inventory: dic
     rules.sort(key=lambda r: order[r.targets[0]])
     out_dtypes = {}
     for r in rules:
-        source_dtype = headers[r.sources[0]].dtype
+        source_dtype = headers[r.source].dtype
         for t in r.targets:
             spec = inventory[t]
             if spec.fp32 or (spec.no_downcast and source_dtype == torch.float32):
@@ -83,36 +83,30 @@ def make_plan(headers: Mapping[str, Header], groups: list[Group], inventory: dic
 
 
 def execute(plan: Plan, source: Source, sink, *, progress: bool = False) -> None:
-    """Stream `source` through `plan` into `sink`: one source file open at a time; a rule runs as soon as the
-    last of its sources is read; only sources of rules that span files wait in memory."""
-    file_index = {f: i for i, f in enumerate(source.files)}
-    last_file = {id(r): max(file_index[source.headers[s].file] for s in r.sources) for r in plan.rules}
-    by_file: dict[int, list[Rule]] = defaultdict(list)
+    """Stream `source` through `plan` into `sink`: one source file open at a time, its rules run in target
+    (layer) order, each source tensor released once its targets are handed to the sink."""
+    by_file: dict[str, list[Rule]] = defaultdict(list)
     for r in plan.rules:
-        by_file[last_file[id(r)]].append(r)
-    waiting = {s for r in plan.rules for s in r.sources if file_index[source.headers[s].file] < last_file[id(r)]}
+        by_file[source.headers[r.source].file].append(r)
     total = sum(source.nbytes(f) for f in source.files)
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=total, unit="B", unit_scale=True, desc="converting")
-    cache: dict[str, torch.Tensor] = {}
     try:
-        for i, file in enumerate(source.files):
+        for file in source.files:
             with source.open(file) as get:
-                for name in sorted(n for n in waiting if source.headers[n].file == file):
-                    cache[name] = get(name)
-                for rule in by_file[i]:
-                    tensors = [cache.pop(s) if s in cache else get(s) for s in rule.sources]
-                    for name, t in zip(rule.targets, apply_rule(rule, tensors)):
+                for rule in by_file[file]:
+                    x = get(rule.source)
+                    for name, t in zip(rule.targets, apply_rule(rule, x)):
                         expected = plan.inventory[name].shape
                         if tuple(t.shape) != expected:  # a rule bug, not a data problem: fail loudly
                             raise ConversionError(f"{name}: produced shape {list(t.shape)}, expected {list(expected)}")
                         sink.add(name, t.to(plan.out_dtypes[name]))
                     if bar is not None:
-                        bar.update(sum(t.numel() * t.element_size() for t in tensors))
-                    del tensors
+                        bar.update(x.numel() * x.element_size())
+                    del x
     finally:
         if bar is not None:
             bar.close()

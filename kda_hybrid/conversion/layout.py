@@ -3,8 +3,9 @@ config.json dict, and the rules that produce those tensors from each source nami
 
 Our parameter names are exactly the original Kimi-Linear names, so the original format and ours share one
 inventory. transformers' native `kimi_linear` renames and fuses some of them (DESIGN §5); its rules split
-them back. A rule maps whole source tensors to whole target tensors; every rule is a pure function of its
-sources, so the same rules drive the streaming file conversion and the in-memory (meta-tensor) dry run.
+them back. A rule maps one whole source tensor to one or more target tensors (fused tensors are split; nothing is ever
+fused, so a rule never waits for a second file); rules are pure functions, so the same rules drive the
+streaming file conversion and the in-memory (meta-tensor) dry run.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-# Tensors kept in float32 whatever the output dtype: the decay parameters feed exp/softplus in fp32 and
-# the router bias shifts sigmoid scores by ~1e-3, below bf16's resolution near 1 (DESIGN §2, §4).
+# Tensors kept in float32 whatever the output dtype, as the Hub checkpoint stores them: the decay parameters
+# feed exp/softplus in fp32 (DESIGN §2) and the router bias is added to fp32 sigmoid scores, where bf16's
+# step of 2**-8 near 1 would move expert choices (DESIGN §4).
 FP32_SUFFIXES = (".A_log", ".dt_bias", ".e_score_correction_bias")
 
 KDA, MLA = "kda", "mla"
@@ -38,11 +40,12 @@ class Spec:
 
 @dataclass(frozen=True)
 class Rule:
-    """Produce `targets` from `sources` with `op` (see `apply_rule`); shapes are checked before any read."""
+    """Produce `targets` from the tensor `source` with `op` (see `apply_rule`); the source's shape is checked
+    against `source_shape` before any data is read."""
 
     op: str  # "copy" | "split_conv" | "split_gate_up" | "split_down"
-    sources: tuple[str, ...]
-    source_shapes: tuple[tuple[int, ...], ...]
+    source: str
+    source_shape: tuple[int, ...]
     targets: tuple[str, ...]
 
 
@@ -162,7 +165,7 @@ Group = list[list[Rule]]
 
 
 def _copy(name: str, spec: Spec, source: str | None = None) -> Rule:
-    return Rule("copy", (source or name,), (spec.shape,), (name,))
+    return Rule("copy", source or name, spec.shape, (name,))
 
 
 def identity_groups(inventory: dict[str, Spec]) -> list[Group]:
@@ -187,7 +190,7 @@ def native_groups(cfg: dict, inventory: dict[str, Spec]) -> list[Group]:
             a = p + "self_attn."
             convs = tuple(a + f"{x}_conv1d.weight" for x in "qkv")
             rows, _, width = inventory[convs[0]].shape
-            fused = Rule("split_conv", (a + "conv1d.weight",), ((3 * rows, 1, width),), convs)
+            fused = Rule("split_conv", a + "conv1d.weight", (3 * rows, 1, width), convs)
             add([[fused], [_copy(n, inventory[n]) for n in convs]])
             for leaf in ("f_a_proj.weight", "f_b_proj.weight", "dt_bias", "A_log"):
                 name = a + leaf
@@ -209,19 +212,18 @@ def native_groups(cfg: dict, inventory: dict[str, Spec]) -> list[Group]:
             inter, D = inventory[m + "experts.0.w1.weight"].shape
             gate_up = tuple(m + f"experts.{e}.{w}.weight" for e in range(E) for w in ("w1", "w3"))
             down = tuple(m + f"experts.{e}.w2.weight" for e in range(E))
-            add([[Rule("split_gate_up", (p + "mlp.experts.gate_up_proj",), ((E, 2 * inter, D),), gate_up)],
+            add([[Rule("split_gate_up", p + "mlp.experts.gate_up_proj", (E, 2 * inter, D), gate_up)],
                  [_copy(n, inventory[n]) for n in gate_up]])
-            add([[Rule("split_down", (p + "mlp.experts.down_proj",), ((E, D, inter),), down)],
+            add([[Rule("split_down", p + "mlp.experts.down_proj", (E, D, inter), down)],
                  [_copy(n, inventory[n]) for n in down]])
     groups.extend([[[_copy(name, spec)]] for name, spec in inventory.items() if name not in done])
     return groups
 
 
-def apply_rule(rule: Rule, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+def apply_rule(rule: Rule, x: torch.Tensor) -> list[torch.Tensor]:
     """Run one rule. Outputs own their storage (safetensors refuses tensors that share memory)."""
     if rule.op == "copy":
-        return tensors
-    (x,) = tensors
+        return [x]
     if rule.op == "split_conv":  # [3*H*K, 1, W] in q, k, v order
         return [t.clone() for t in x.chunk(3, dim=0)]
     if rule.op == "split_gate_up":  # [E, 2*I, D]: rows [:I] are w1 (gate), rows [I:] are w3 (up)

@@ -158,6 +158,22 @@ def test_real_inventory_matches_fixture(real_meta):
     assert sum(t.numel() for t in real_meta.values()) / 1e9 == pytest.approx(49.1, abs=0.05)
 
 
+def test_real_hub_config_converts():
+    """The Hub config.json, with its remote-code and unused keys, gives our config for the same tensors."""
+    from kda_hybrid.conversion.configs import detect_format, kda_hybrid_config
+
+    hub = {**REAL_CONFIG, "head_dim": 72, "rope_theta": 10000.0, "model_max_length": 1048576,
+           "num_nextn_predict_layers": 0, "torch_dtype": "bfloat16", "transformers_version": "4.56.2",
+           "auto_map": {"AutoConfig": "configuration_kimi.KimiLinearConfig",
+                        "AutoModelForCausalLM": "modeling_kimi.KimiLinearForCausalLM"}}
+    assert detect_format(hub, ["model.layers.0.self_attn.q_conv1d.weight"]) == "kimi_linear"
+    config = kda_hybrid_config(hub, router_weights_from_biased_scores=True, dtype="bfloat16")
+    assert config.model_type == "kda_hybrid" and config.attention_type == "mla"
+    assert config.num_experts == 256 and config.num_experts_per_tok == 8 and config.first_k_dense_replace == 1
+    assert (config.bos_token_id, config.eos_token_id, config.pad_token_id) == (163584, 163586, 163839)
+    assert kimi_inventory(config.to_kimi_linear_dict()) == kimi_inventory(REAL_CONFIG)
+
+
 def test_real_dry_run_round_trip(real_meta):
     ours = convert_state_dict(real_meta, REAL_CONFIG, source="kimi_linear")
     assert all(t.device.type == "meta" for t in ours.values())
@@ -425,6 +441,19 @@ def test_pickled_bin_is_refused(tmp_path):
     torch.save({"model.norm.weight": torch.ones(32), "payload": Path("/etc/passwd")}, src / "pytorch_model.bin")
     with pytest.raises(ConversionError, match="pytorch_model.bin: cannot read"):
         convert(src, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_gqa_model_has_no_kimi_equivalent(tmp_path):
+    from kda_hybrid.configuration_kda_hybrid import KDAHybridConfig
+
+    src = tmp_path / "gqa"
+    KDAHybridConfig(attention_type="gqa", num_hidden_layers=2, hidden_size=16, num_attention_heads=2,
+                    linear_num_heads=2, linear_head_dim=8).save_pretrained(src)
+    save_checkpoint(src / "weights", {"model.norm.weight": torch.ones(16)}, {})
+    (src / "weights" / "model.safetensors").rename(src / "model.safetensors")
+    with pytest.raises(ConversionError, match="gqa"):
+        convert(src, tmp_path / "out", target="kimi_linear", progress=False)
     assert not (tmp_path / "out").exists()
 
 

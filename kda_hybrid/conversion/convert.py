@@ -7,6 +7,7 @@ import importlib
 import importlib.util
 import json
 import logging
+import os
 import shutil
 import tempfile
 from collections import Counter, defaultdict
@@ -204,6 +205,7 @@ def convert(src, dst, *, source: str | None = None, target: str = KDA_HYBRID, dt
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".partial", dir=dst.parent))
     try:
+        tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it owner-only; the published folder gets normal permissions
         writer = ShardWriter(tmp, max_bytes)
         execute(plan, reader, writer, progress=progress)
         writer.close()
@@ -217,6 +219,12 @@ def convert(src, dst, *, source: str | None = None, target: str = KDA_HYBRID, dt
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dst
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _main_dtype(plan: Plan) -> torch.dtype:

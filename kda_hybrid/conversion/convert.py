@@ -7,7 +7,6 @@ import importlib
 import importlib.util
 import json
 import logging
-import os
 import shutil
 import tempfile
 from collections import Counter, defaultdict
@@ -200,12 +199,12 @@ def convert(src, dst, *, source: str | None = None, target: str = KDA_HYBRID, dt
         if not biased:
             logger.warning("the original Kimi-Linear remote code gathers router weights from the bias-corrected "
                            "scores; this model was used with unbiased weights (transformers/vLLM). Outputs of the "
-                           "original code will differ slightly; transformers' native class matches.")
+                           "original code will differ; transformers' native class matches.")
 
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".partial", dir=dst.parent))
     try:
-        tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it owner-only; the published folder gets normal permissions
+        tmp.chmod(0o755)  # mkdtemp makes it owner-only; the published folder gets the usual permissions
         writer = ShardWriter(tmp, max_bytes)
         execute(plan, reader, writer, progress=progress)
         writer.close()
@@ -219,12 +218,6 @@ def convert(src, dst, *, source: str | None = None, target: str = KDA_HYBRID, dt
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dst
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def _main_dtype(plan: Plan) -> torch.dtype:

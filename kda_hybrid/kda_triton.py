@@ -25,7 +25,8 @@ Gradients: `ChunkKDAFunction.backward` recomputes the forward with the different
 
 Kernels are wrapped with `triton.jit` at their first launch, not at import: triton decides between the
 compiler and the interpreter (TRITON_INTERPRET=1, CPU tests) when the decorator runs, and this module is
-often imported (by `kda_ops`) before a test sets the variable.
+often imported (by `kda_ops`) before a test sets the variable. The head count H is a runtime argument (one
+compilation serves every H); head dims, tile sizes and flags are compile-time constants.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class _LazyKernel:
 
 def _kda_gate_cumsum_kernel(
     g, G, cu_seqlens, chunk_indices,
-    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    H, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
 ):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_n = tl.load(chunk_indices + i_c * 2)
@@ -92,7 +93,7 @@ def _kda_gate_cumsum_kernel(
 
 def _kda_intra_fwd_kernel(
     q, k, G, beta, Akk, Aqk, cu_seqlens, chunk_indices, scale,
-    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    H, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     """A_kk[r, c] = beta_r sum_d k_r k_c exp(G_r - G_c) (c < r) and A_qk[r, c] = scale sum_d q_r k_c exp(...)
@@ -161,7 +162,7 @@ def _kda_intra_fwd_kernel(
 
 def _kda_solve_wu_kernel(
     k, v, G, beta, Akk, w, u, cu_seqlens, chunk_indices,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """Ai = (I + A_kk)^-1 for one chunk (BT = 4 BC): the four diagonal 16x16 blocks by forward substitution,
@@ -273,7 +274,7 @@ def _kda_solve_wu_kernel(
 
 def _kda_state_scan_kernel(
     k, w, u, G, h0, ht, h, v_new, cu_seqlens, chunk_offsets,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """The only sequential part, one program per (V block, sequence, head): for each chunk, store the entering
@@ -317,7 +318,7 @@ def _kda_state_scan_kernel(
 
 def _kda_output_kernel(
     q, G, Aqk, h, v_new, o, cu_seqlens, chunk_indices, scale,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     """o = (scale q exp G) S_chunk + tril(A_qk) v_new, one program per (V block, chunk, head)."""
@@ -352,7 +353,7 @@ def _kda_output_kernel(
 
 def _kda_fused_recurrent_kernel(
     q, k, v, g, beta, o, h0, ht, cu_seqlens, scale, T,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, USE_QK_L2NORM: tl.constexpr,
     L2_EPS: tl.constexpr,
 ):

@@ -278,7 +278,7 @@ SM90_MAX_SHARED = 232448  # bytes of shared memory one block may use on sm_90
 
 
 def _compile_all_for_sm90(dtype: str) -> list[str]:
-    """Compile the six kernels at K = V = 128, H = 16 for `dtype` inputs; returns one line per kernel."""
+    """Compile the six kernels at K = V = 128 for `dtype` inputs; returns one line per kernel."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -286,9 +286,9 @@ def _compile_all_for_sm90(dtype: str) -> list[str]:
     kt = kda_triton
     prec = "ieee" if dtype == "fp32" else "tf32"
     fp32_buffers = ("G", "Akk", "Aqk", "w", "u", "h0", "ht", "h", "v_new")
-    types = dict(cu_seqlens="*i32", chunk_indices="*i32", chunk_offsets="*i32", scale="fp32", T="i32",
+    types = dict(cu_seqlens="*i32", chunk_indices="*i32", chunk_offsets="*i32", scale="fp32", T="i32", H="i32",
                  **{n: "*fp32" for n in fp32_buffers})
-    base = dict(H=16, K=128, BT=64, BK=128)
+    base = dict(K=128, BT=64, BK=128)
     jobs = [
         (kt._kda_gate_cumsum_kernel, base, 3),
         (kt._kda_intra_fwd_kernel, dict(base, BC=16, DOT_PREC=prec), 3),
@@ -296,7 +296,7 @@ def _compile_all_for_sm90(dtype: str) -> list[str]:
         (kt._kda_state_scan_kernel, dict(base, V=128, BV=32, HAS_H0=True, STORE_HT=True, DOT_PREC=prec),
          kt.SCAN_NUM_STAGES),
         (kt._kda_output_kernel, dict(base, V=128, BV=64, DOT_PREC=prec), 3),
-        (kt._kda_fused_recurrent_kernel, dict(H=16, K=128, V=128, BK=128, BV=32, IS_VARLEN=False, HAS_H0=True,
+        (kt._kda_fused_recurrent_kernel, dict(K=128, V=128, BK=128, BV=32, IS_VARLEN=False, HAS_H0=True,
                                               STORE_HT=True, USE_QK_L2NORM=True, L2_EPS=1e-6), 3),
     ]
     lines = []
@@ -312,6 +312,7 @@ def _compile_all_for_sm90(dtype: str) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(CUDA, reason="on CUDA the kernels are compiled and run by the other tests")
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_kernels_compile_for_sm90(dtype):
     import subprocess

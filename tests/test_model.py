@@ -447,3 +447,10 @@ def test_kimi_linear_config_keys_build_the_same_architecture():
         model = KDAHybridForCausalLM(cfg)
     params = sum(p.numel() for p in model.parameters())
     assert abs(params / 1e9 - 49.1) < 0.1  # the checkpoint holds 49.1B parameters
+
+
+def test_generate_with_prefill_chunk_size_equals_one_shot():
+    """transformers' chunked prefill runs the prompt through the cache 16 tokens at a time."""
+    model = tiny_model("gqa", True)
+    ids = prompt(B=1, T=50)
+    assert torch.equal(greedy(model, ids, prefill_chunk_size=16), greedy(model, ids))

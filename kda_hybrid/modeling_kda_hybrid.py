@@ -76,6 +76,20 @@ def _compaction(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return perm, torch.argsort(perm, dim=1)
 
 
+def packed_cu_seqlens(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """Offsets [N + 1] of the documents packed in `position_ids` ([B, T]; a document starts wherever the
+    position does not follow the previous one, and at every row start), over the flattened B * T tokens.
+    None when each row holds a single document starting at position 0 (nothing is packed)."""
+    first = position_ids[:, :1] - 1
+    starts = torch.diff(position_ids, prepend=first, dim=-1) != 1
+    starts[:, 0] = True
+    if int(starts.sum()) == position_ids.shape[0] and bool((position_ids[:, 0] == 0).all()):
+        return None
+    idx = starts.flatten().nonzero().flatten()
+    end = torch.tensor([position_ids.numel()], device=idx.device)
+    return torch.cat((idx, end)).to(torch.int64)
+
+
 def _gather_tokens(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
     return x.gather(1, perm.view(*perm.shape, *([1] * (x.dim() - 2))).expand_as(x))
 
@@ -119,13 +133,27 @@ class KDAHybridDeltaAttention(nn.Module):
             return F.silu((windows * conv.weight[:, None, 0, :]).sum(-1))
         return F.silu(F.conv1d(full, conv.weight, groups=conv.weight.shape[0]))
 
+    def _packed_conv(self, conv: nn.Conv1d, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """Causal depthwise conv + SiLU over packed documents: taps never reach into the previous document.
+        x: [1, C, N] (N packed tokens)."""
+        N, width = x.shape[-1], self.conv_size
+        windows = F.pad(x, (width - 1, 0)).unfold(-1, width, 1)  # [1, C, N, kernel]
+        pos = torch.arange(N, device=x.device)
+        start = cu_seqlens[torch.searchsorted(cu_seqlens, pos, right=True) - 1]  # document start of each token
+        valid = (pos[:, None] - (width - 1) + torch.arange(width, device=x.device)) >= start[:, None]  # [N, k]
+        return F.silu((windows * (conv.weight[:, None, 0, :] * valid)).sum(-1))
+
     def forward(
         self,
         hidden_states: torch.Tensor,
         token_mask: torch.Tensor | None = None,
         cache_layer: KDALayerState | None = None,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """hidden_states [B, T, D]; token_mask [B, T] bool (False = padding) or None."""
+        """hidden_states [B, T, D]; token_mask [B, T] bool (False = padding) or None; cu_seqlens: offsets of
+        documents packed over the flattened B * T tokens (training on packed sequences; no cache, no padding)."""
+        if cu_seqlens is not None:
+            return self._forward_packed(hidden_states, cu_seqlens)
         B, T, _ = hidden_states.shape
         H, K = self.num_heads, self.head_dim
         perm = inv = None
@@ -153,9 +181,7 @@ class KDAHybridDeltaAttention(nn.Module):
             self._conv(conv, xi, s).transpose(1, 2).reshape(B, T, H, K)  # [B, T, H, K]
             for conv, xi, s in zip((self.q_conv1d, self.k_conv1d, self.v_conv1d), conv_inputs, conv_before)
         )
-        g = F.softplus(self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float())  # [B, T, H*K]
-        g = -self.A_log.float().exp() * g.view(B, T, H, K)  # [B, T, H, K] log decay <= 0
-        beta = torch.sigmoid(self.b_proj(x).float())  # [B, T, H]
+        g, beta = self._gates(x)
         if real is not None:  # padding (compacted to the tail) neither decays nor writes the state
             g = g * real[..., None, None]
             beta = beta * real[..., None]
@@ -179,12 +205,33 @@ class KDAHybridDeltaAttention(nn.Module):
             cache_layer.conv_states = [shift_conv_state(c, xi, n_real) for c, xi in zip(conv_before, conv_inputs)]
             cache_layer.recurrent_state = state
 
-        gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, H, K)
-        o = self.o_norm(o, gate).reshape(B, T, H * K)  # [B, T, H*V]
-        o = self.o_proj(o)
+        o = self._output(x, o)
         if inv is not None:
             o = _gather_tokens(o, inv) * token_mask[..., None]
         return o
+
+    def _gates(self, x):
+        B, T, _ = x.shape
+        g = F.softplus(self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float())  # [B, T, H*K]
+        g = -self.A_log.float().exp() * g.view(B, T, self.num_heads, self.head_dim)  # [B, T, H, K] log decay
+        return g, torch.sigmoid(self.b_proj(x).float())  # beta [B, T, H]
+
+    def _output(self, x, o):
+        B, T, _ = x.shape
+        gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, self.num_heads, self.head_dim)
+        return self.o_proj(self.o_norm(o, gate).reshape(B, T, -1))  # [B, T, H*V] -> [B, T, D]
+
+    def _forward_packed(self, hidden_states, cu_seqlens):
+        B, T, D = hidden_states.shape
+        H, K = self.num_heads, self.head_dim
+        x = hidden_states.reshape(1, B * T, D)  # documents never cross rows, so rows pack end to end
+        q, k, v = (
+            self._packed_conv(conv, proj(x).transpose(1, 2), cu_seqlens).transpose(1, 2).reshape(1, B * T, H, K)
+            for proj, conv in ((self.q_proj, self.q_conv1d), (self.k_proj, self.k_conv1d), (self.v_proj, self.v_conv1d))
+        )
+        g, beta = self._gates(x)
+        o, _ = chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
+        return self._output(x, o).view(B, T, D)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -475,13 +522,14 @@ class KDAHybridDecoderLayer(GradientCheckpointingLayer):
         self.post_attention_layernorm = KDAHybridRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, hidden_states, attention_mask=None, token_mask=None, cache=None, position_embeddings=None,
-                **kwargs):
+                cu_seqlens=None, **kwargs):
         layer_idx = self.self_attn.layer_idx
         cache_layer = cache.layers[layer_idx] if cache is not None else None
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
         if self.layer_type == "linear_attention":
-            hidden_states = self.self_attn(hidden_states, token_mask=token_mask, cache_layer=cache_layer)
+            hidden_states = self.self_attn(hidden_states, token_mask=token_mask, cache_layer=cache_layer,
+                                           cu_seqlens=cu_seqlens)
         else:
             hidden_states = self.self_attn(hidden_states, attention_mask=attention_mask, cache_layer=cache_layer,
                                            position_embeddings=position_embeddings)
@@ -571,6 +619,14 @@ class KDAHybridModel(KDAHybridPreTrainedModel):
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if self.gradient_checkpointing and self.training:
             use_cache = False
+        # Packed documents (position_ids restarting inside a row, no attention_mask, as transformers'
+        # DataCollatorWithFlattening produces): KDA states and convs restart at every document and the causal
+        # mask is block-diagonal. A packed batch has no single state to continue from, so it takes no cache.
+        cu_seqlens = None
+        if position_ids is not None and attention_mask is None and cache is None:
+            cu_seqlens = packed_cu_seqlens(position_ids)
+            if cu_seqlens is not None:
+                use_cache = False
         if use_cache and cache is None:
             cache = KDAHybridCache(self.config)
         if cache is not None and not isinstance(cache, KDAHybridCache):
@@ -599,7 +655,7 @@ class KDAHybridModel(KDAHybridPreTrainedModel):
         all_hidden = (hidden_states,) if output_hidden_states else None
         for layer in self.layers:
             hidden_states = layer(hidden_states, attention_mask=causal_mask, token_mask=token_mask, cache=cache,
-                                  position_embeddings=position_embeddings, use_cache=use_cache)
+                                  position_embeddings=position_embeddings, cu_seqlens=cu_seqlens, use_cache=use_cache)
             if output_hidden_states:
                 all_hidden += (hidden_states,)
         hidden_states = self.norm(hidden_states)

@@ -34,8 +34,12 @@ from __future__ import annotations
 import os
 
 import torch
-import triton
-import triton.language as tl
+
+try:  # inside try: transformers' remote-code import check skips try blocks, so Hub loads work without triton
+    import triton
+    import triton.language as tl
+except ImportError as err:
+    raise ImportError("kda_hybrid.kda_triton needs the triton package (GPU kernels); the PyTorch path does not") from err
 
 from .kda_torch import L2NORM_EPS, chunk_kda_torch, l2norm
 

@@ -23,6 +23,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from .cache_kda_hybrid import KDAHybridCache, KDALayerState, KVLayerState, _Segment, shift_conv_state
 from .configuration_kda_hybrid import KDAHybridConfig
 from .kda_ops import chunk_kda, fused_recurrent_kda
+from .model_card_kda_hybrid import write_model_card
 
 SMALL_CONV_TOKENS = 8  # KDA short conv: up to this many new tokens, unfold + multiply instead of conv1d
 ABSORB_MAX_QUERY = 16  # MLA: queries up to this long (decode, draft verification) attend in latent space
@@ -551,6 +552,20 @@ class KDAHybridPreTrainedModel(PreTrainedModel):
     _supports_attention_backend = True
     _is_stateful = False  # crop() rolls KDA states back exactly, so assisted decoding is allowed
     _keep_in_fp32_modules_strict = ["A_log", "dt_bias", "e_score_correction_bias", "gate.weight"]
+
+    def save_pretrained(self, save_directory, is_main_process=True, **kwargs):
+        if self.is_remote_code():  # auto_map for both Auto classes, whichever class is saved
+            module = type(self).__module__.rsplit(".", 1)[-1]
+            self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}),
+                                    "AutoModel": f"{module}.KDAHybridModel",
+                                    "AutoModelForCausalLM": f"{module}.KDAHybridForCausalLM"}
+        super().save_pretrained(save_directory, is_main_process=is_main_process, **kwargs)
+        if is_main_process:
+            write_model_card(self.config, save_directory)  # README.md; a card the user wrote is kept
+
+    def _upload_modified_files(self, working_dir, repo_id, *args, **kwargs):
+        write_model_card(self.config, working_dir, model_id=repo_id)  # replaces push_to_hub's placeholder card
+        return super()._upload_modified_files(working_dir, repo_id, *args, **kwargs)
 
     @torch.no_grad()
     def _init_weights(self, module):

@@ -19,9 +19,16 @@ is split at the first row a of the row sub-block as exp(G_r - G_a) * exp(G_a - G
 because c < a <= r and G is non-increasing; diagonal sub-blocks are formed column by column from the exact
 differences. With g = -20 per token G reaches -1280 in a chunk; products that underflow to 0 are < 1e-38.
 
-Gradients: `ChunkKDAFunction.backward` recomputes the forward with the differentiable PyTorch twin
-(`chunk_kda_torch`) and back-propagates through it; there is no Triton backward kernel yet.
-`fused_recurrent_kda_triton` has no backward: when a gradient is needed it calls the chunked function.
+Chunked backward, all Triton (`ChunkKDAFunction` saves G, A_qk, Ai = (I + A_kk)^-1, w, u from the forward):
+  4. `_kda_state_scan_kernel`   rerun: the states entering every chunk and v_new (not kept from the forward)
+  6. `_kda_state_bwd_kernel`    reverse scan over chunks: dh (gradient of each chunk's outgoing state), dv_new,
+                                dh0; the final-state gradient dht seeds it
+  7. `_kda_chunk_bwd_kernel`    per chunk: dv; dq, dk, dbeta, dG through S, w, u, Ai, exp(G); dA_qk, dA_kk
+  8. `_kda_intra_bwd_kernel`    per chunk: back through the gated products A_kk, A_qk (anchored as in 2), then
+                                dg = reverse cumsum of dG within the chunk
+Torch does only allocation, the final dtype casts, and the q/k L2 norm (torch ops in front of the Function,
+differentiated by autograd). `fused_recurrent_kda_triton` has no backward: when a gradient is needed it calls
+the chunked function.
 
 Kernels are wrapped with `triton.jit` at their first launch, not at import: triton decides between the
 compiler and the interpreter (TRITON_INTERPRET=1, CPU tests) when the decorator runs, and this module is
@@ -41,7 +48,7 @@ try:  # inside try: transformers' remote-code import check skips try blocks, so 
 except ImportError as err:
     raise ImportError("kda_hybrid.kda_triton needs the triton package (GPU kernels); the PyTorch path does not") from err
 
-from .kda_torch import L2NORM_EPS, chunk_kda_torch, l2norm
+from .kda_torch import L2NORM_EPS, l2norm
 
 CHUNK_SIZE = 64  # tokens per chunk (BT), as kda_torch.CHUNK_SIZE
 SUB_CHUNK = 16  # BC: side of the sub-blocks of A; 16 is the smallest tl.dot tile
@@ -49,6 +56,10 @@ MAX_HEAD_DIM = 256  # K and V are held whole in one register tile
 # The scan's loop loads ~100 KB of tiles per chunk at K = V = 128 in fp32: triton's default 3-stage pipeline
 # needs 247 KB of shared memory (over sm_90's 227 KB); 2 stages need 140 KB (compiled for sm_90 with ptxas).
 SCAN_NUM_STAGES = 2
+STATE_BWD_NUM_STAGES = 2
+CHUNK_BWD_BV = 32
+CHUNK_BWD_NUM_WARPS = 8
+CHUNK_BWD_NUM_STAGES = 2
 # masked exponents are set to -inf before exp (exp(-inf) = 0): the discarded lanes never hold inf
 NEG_INF = tl.constexpr(float("-inf"))
 
@@ -165,12 +176,13 @@ def _kda_intra_fwd_kernel(
 
 
 def _kda_solve_wu_kernel(
-    k, v, G, beta, Akk, w, u, cu_seqlens, chunk_indices,
+    k, v, G, beta, Akk, Ai, w, u, cu_seqlens, chunk_indices,
     H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """Ai = (I + A_kk)^-1 for one chunk (BT = 4 BC): the four diagonal 16x16 blocks by forward substitution,
-    the six below by block back-substitution; then w = Ai (beta k exp G) and u = Ai (beta v)."""
+    the six below by block back-substitution; then w = Ai (beta k exp G) and u = Ai (beta v). Ai is stored
+    (whole rows, zeros above the diagonal) for the backward."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_n = tl.load(chunk_indices + i_c * 2)
     i_t = tl.load(chunk_indices + i_c * 2 + 1)
@@ -223,6 +235,29 @@ def _kda_solve_wu_kernel(
     b_Ai30 = -tl.dot(b_X3, tl.dot(b_A30, b_X0, input_precision="ieee")
                      + tl.dot(b_A31, b_Ai10, input_precision="ieee")
                      + tl.dot(b_A32, b_Ai20, input_precision="ieee"), input_precision="ieee")
+
+    # Ai row r: [Ai_i0 .. Ai_ii, 0 ..] for r in row block i, the layout of Akk
+    p_I0 = Ai + ((bos + o_r0) * H + i_h)[:, None] * BT + o_c[None, :]
+    p_I1 = Ai + ((bos + o_r1) * H + i_h)[:, None] * BT + o_c[None, :]
+    p_I2 = Ai + ((bos + o_r2) * H + i_h)[:, None] * BT + o_c[None, :]
+    p_I3 = Ai + ((bos + o_r3) * H + i_h)[:, None] * BT + o_c[None, :]
+    b_0 = tl.zeros([BC, BC], dtype=tl.float32)
+    tl.store(p_I0, b_X0, mask=m_r0[:, None])
+    tl.store(p_I0 + BC, b_0, mask=m_r0[:, None])
+    tl.store(p_I0 + 2 * BC, b_0, mask=m_r0[:, None])
+    tl.store(p_I0 + 3 * BC, b_0, mask=m_r0[:, None])
+    tl.store(p_I1, b_Ai10, mask=m_r1[:, None])
+    tl.store(p_I1 + BC, b_X1, mask=m_r1[:, None])
+    tl.store(p_I1 + 2 * BC, b_0, mask=m_r1[:, None])
+    tl.store(p_I1 + 3 * BC, b_0, mask=m_r1[:, None])
+    tl.store(p_I2, b_Ai20, mask=m_r2[:, None])
+    tl.store(p_I2 + BC, b_Ai21, mask=m_r2[:, None])
+    tl.store(p_I2 + 2 * BC, b_X2, mask=m_r2[:, None])
+    tl.store(p_I2 + 3 * BC, b_0, mask=m_r2[:, None])
+    tl.store(p_I3, b_Ai30, mask=m_r3[:, None])
+    tl.store(p_I3 + BC, b_Ai31, mask=m_r3[:, None])
+    tl.store(p_I3 + 2 * BC, b_Ai32, mask=m_r3[:, None])
+    tl.store(p_I3 + 3 * BC, b_X3, mask=m_r3[:, None])
 
     # right-hand sides beta k exp(G) (exp(G) <= 1: G is the decay from the chunk start) and beta v
     o_rk0 = ((bos + o_r0) * H + i_h)[:, None] * K + o_k[None, :]
@@ -399,12 +434,261 @@ def _kda_fused_recurrent_kernel(
         tl.store(ht + o_kv, b_h, mask=m_kv)
 
 
+# --------------------------------------------------------------------------------------------------
+# Backward kernels. Per chunk, with S the state entering it, dS' the gradient of the state leaving it and
+# qg = scale q exp G, kd = k exp(G_last - G), kb = beta k exp G:
+#   dv_new = A_qk^T do + kd dS'                  dS = exp(G_last) dS' + qg^T do - w^T dv_new   (reverse scan)
+#   dqg = do S^T   dw = -dv_new S^T   dkd = v_new dS'^T   dA_qk = do v_new^T
+#   dkb = Ai^T dw  dvb = Ai^T dv_new  dA_kk = -(dkb w^T + dvb u^T)   (= -Ai^T dAi Ai^T, strict lower part)
+# then through the gated products A_kk, A_qk (intra kernel) and G = cumsum(g): dg = reverse cumsum of dG.
+# --------------------------------------------------------------------------------------------------
+
+
+def _kda_state_bwd_kernel(
+    q, k, w, G, Aqk, do, dht, dh0, dh, dv_new, cu_seqlens, chunk_offsets, scale,
+    H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """Reverse scan over the chunks of one (V block, sequence, head): store dh[chunk] = dS' (gradient of the
+    state leaving the chunk) and dv_new, step dS' back through the chunk; dh0 is what enters the first."""
+    i_v, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    L = eos - bos
+    NT = tl.cdiv(L, BT)
+    c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+    o_i = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    o_kv = o_k[:, None] * V + o_v[None, :]
+    b_dh = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_DHT:
+        b_dh += tl.load(dht + (i_n * H + i_h) * K * V + o_kv, mask=m_kv, other=0.0)
+    for i_s in range(0, NT):
+        i_t = NT - 1 - i_s
+        tl.store(dh + ((c0 + i_t) * H + i_h) * K * V + o_kv, b_dh, mask=m_kv)
+        o_t = i_t * BT + o_i
+        m_t = o_t < L
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        o_tk = ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :]
+        o_tv = ((bos + o_t) * H + i_h)[:, None] * V + o_v[None, :]
+        i_last = tl.minimum(i_t * BT + BT, L) - 1
+        b_gl = tl.load(G + ((bos + i_last) * H + i_h) * K + o_k, mask=m_k, other=0.0)
+        b_g = tl.load(G + o_tk, mask=m_tk, other=0.0)
+        b_kd = tl.load(k + o_tk, mask=m_tk, other=0.0).to(tl.float32) * tl.exp(
+            tl.where(m_tk, b_gl[None, :] - b_g, NEG_INF))  # exp(G_last - G) <= 1
+        b_qg = tl.load(q + o_tk, mask=m_tk, other=0.0).to(tl.float32) * tl.exp(
+            tl.where(m_tk, b_g, NEG_INF)) * scale
+        b_w = tl.load(w + o_tk, mask=m_tk, other=0.0)
+        b_do = tl.load(do + o_tv, mask=m_tv, other=0.0).to(tl.float32)
+        b_A = tl.load(Aqk + ((bos + o_t) * H + i_h)[:, None] * BT + o_i[None, :],
+                      mask=m_t[:, None] & (o_i[:, None] >= o_i[None, :]), other=0.0)
+        b_dvn = (tl.dot(tl.trans(b_A), b_do, input_precision=DOT_PREC)
+                 + tl.dot(b_kd, b_dh, input_precision=DOT_PREC))
+        tl.store(dv_new + o_tv, b_dvn, mask=m_tv)
+        b_dh = (b_dh * tl.exp(b_gl)[:, None] + tl.dot(tl.trans(b_qg), b_do, input_precision=DOT_PREC)
+                - tl.dot(tl.trans(b_w), b_dvn, input_precision=DOT_PREC))
+    if STORE_DH0:
+        tl.store(dh0 + (i_n * H + i_h) * K * V + o_kv, b_dh, mask=m_kv)
+
+
+def _kda_chunk_bwd_kernel(
+    q, k, v, G, beta, h, dh, v_new, dv_new, w, u, Ai, do, dq, dk, dv, dbeta, dG, dAqk, dAkk,
+    cu_seqlens, chunk_indices, scale,
+    H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """Everything of one (chunk, head) that goes through the state, the WY inverse and the gates outside A:
+    dv (final), and the parts of dq, dk, dbeta, dG (per token, before the cumsum) that do not come from
+    A_kk, A_qk; plus dA_qk = do v_new^T and dA_kk for the intra kernel. V is looped in BV columns."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_n = tl.load(chunk_indices + i_c * 2)
+    i_t = tl.load(chunk_indices + i_c * 2 + 1)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    L = eos - bos
+    o_i = tl.arange(0, BT)
+    o_t = i_t * BT + o_i
+    o_k = tl.arange(0, BK)
+    m_t = o_t < L
+    m_k = o_k < K
+    m_tk = m_t[:, None] & m_k[None, :]
+    o_tk = ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :]
+    o_tA = ((bos + o_t) * H + i_h)[:, None] * BT + o_i[None, :]
+    o_hk = (i_c.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V
+    b_Ai = tl.load(Ai + o_tA, mask=m_t[:, None], other=0.0)
+    b_beta = tl.load(beta + (bos + o_t) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+    b_dqg = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dw = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dkd = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dAq = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dAk = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dbeta = tl.zeros([BT], dtype=tl.float32)
+    b_dgl = tl.zeros([BK], dtype=tl.float32)
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_tv = m_t[:, None] & m_v[None, :]
+        m_kv = m_k[:, None] & m_v[None, :]
+        o_tv = ((bos + o_t) * H + i_h)[:, None] * V + o_v[None, :]
+        b_h = tl.load(h + o_hk + o_v[None, :], mask=m_kv, other=0.0)
+        b_dh = tl.load(dh + o_hk + o_v[None, :], mask=m_kv, other=0.0)
+        b_do = tl.load(do + o_tv, mask=m_tv, other=0.0).to(tl.float32)
+        b_vn = tl.load(v_new + o_tv, mask=m_tv, other=0.0)
+        b_dvn = tl.load(dv_new + o_tv, mask=m_tv, other=0.0)
+        b_dqg += tl.dot(b_do, tl.trans(b_h), input_precision=DOT_PREC)
+        b_dw -= tl.dot(b_dvn, tl.trans(b_h), input_precision=DOT_PREC)
+        b_dkd += tl.dot(b_vn, tl.trans(b_dh), input_precision=DOT_PREC)
+        b_dAq += tl.dot(b_do, tl.trans(b_vn), input_precision=DOT_PREC)
+        b_dgl += tl.sum(b_h * b_dh, 1)
+        b_dvb = tl.dot(tl.trans(b_Ai), b_dvn, input_precision=DOT_PREC)  # d(beta v)
+        tl.store(dv + o_tv, (b_dvb * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
+        b_v = tl.load(v + o_tv, mask=m_tv, other=0.0).to(tl.float32)
+        b_dbeta += tl.sum(b_dvb * b_v, 1)
+        b_u = tl.load(u + o_tv, mask=m_tv, other=0.0)
+        b_dAk -= tl.dot(b_dvb, tl.trans(b_u), input_precision=DOT_PREC)
+    b_dkb = tl.dot(tl.trans(b_Ai), b_dw, input_precision=DOT_PREC)  # d(beta k exp G)
+    b_w = tl.load(w + o_tk, mask=m_tk, other=0.0)
+    b_dAk -= tl.dot(b_dkb, tl.trans(b_w), input_precision=DOT_PREC)
+
+    i_last = tl.minimum(i_t * BT + BT, L) - 1
+    b_gl = tl.load(G + ((bos + i_last) * H + i_h) * K + o_k, mask=m_k, other=0.0)
+    b_g = tl.load(G + o_tk, mask=m_tk, other=0.0)
+    b_k = tl.load(k + o_tk, mask=m_tk, other=0.0).to(tl.float32)
+    b_q = tl.load(q + o_tk, mask=m_tk, other=0.0).to(tl.float32) * scale
+    b_eg = tl.exp(tl.where(m_tk, b_g, NEG_INF))  # exp(G) <= 1
+    b_ed = tl.exp(tl.where(m_tk, b_gl[None, :] - b_g, NEG_INF))  # exp(G_last - G) <= 1
+    b_kdkb = b_k * b_eg * b_dkb
+    b_kddkd = b_k * b_ed * b_dkd
+    b_dbeta += tl.sum(b_kdkb, 1)
+    # kd_r = k_r exp(G_last - G_r) puts +x on G_last and -x on G_r; for the last row both are the same entry of
+    # dG: left out, rather than added and cancelled (with strong decay that rounding would swamp a tiny dg)
+    b_kddkd = tl.where((o_t != i_last)[:, None], b_kddkd, 0.0)
+    b_dG = b_beta[:, None] * b_kdkb + b_q * b_eg * b_dqg - b_kddkd
+    # G_last scales the carried state and every kd row; its gradient lands on the chunk's last valid row
+    b_dgl = b_dgl * tl.exp(b_gl) + tl.sum(b_kddkd, 0)
+    b_dG += tl.where((o_t == i_last)[:, None], b_dgl[None, :], 0.0)
+    tl.store(dq + o_tk, b_eg * b_dqg * scale, mask=m_tk)
+    tl.store(dk + o_tk, b_beta[:, None] * b_eg * b_dkb + b_ed * b_dkd, mask=m_tk)
+    tl.store(dG + o_tk, b_dG, mask=m_tk)
+    tl.store(dbeta + (bos + o_t) * H + i_h, b_dbeta, mask=m_t)
+    tl.store(dAqk + o_tA, b_dAq, mask=m_t[:, None])
+    tl.store(dAkk + o_tA, b_dAk, mask=m_t[:, None])
+
+
+def _kda_intra_bwd_kernel(
+    q, k, G, beta, dAqk, dAkk, dq, dk, dbeta, dG, cu_seqlens, chunk_indices, scale,
+    H, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """Back through A_kk[r, c] = beta_r k_r.(k_c E_rc) and A_qk[r, c] = (scale q_r).(k_c E_rc), E_rc = exp(G_r - G_c),
+    for one (chunk, head); adds to dq, dk, dbeta, dG in place and turns dG into dg (reverse cumsum in the chunk).
+    Row side X_r = sum_c dA[r, c] k_c E_rc, column side Y_c = sum_r dA[r, c] x_r E_rc (x = beta k or scale q):
+    off-diagonal sub-blocks anchored as in the forward (X at the first row of the row block, Y at the last row
+    of the column block: both factors <= 1), diagonal sub-blocks column by column from exact differences."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_n = tl.load(chunk_indices + i_c * 2)
+    i_t = tl.load(chunk_indices + i_c * 2 + 1)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    L = eos - bos
+    NB: tl.constexpr = BT // BC
+    o_c = tl.arange(0, BC)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    m_lower = o_c[:, None] > o_c[None, :]
+    m_lower_eq = o_c[:, None] >= o_c[None, :]
+    b_carry = tl.zeros([BK], dtype=tl.float32)  # sum of dG over the rows after the current block
+    for i_b in tl.static_range(NB):
+        i_i = NB - 1 - i_b  # last row block first: the reverse cumsum runs from the chunk end
+        o_r = i_t * BT + i_i * BC + o_c
+        m_r = o_r < L
+        m_rk = m_r[:, None] & m_k[None, :]
+        o_rk = ((bos + o_r) * H + i_h)[:, None] * K + o_k[None, :]
+        o_rA = ((bos + o_r) * H + i_h)[:, None] * BT
+        b_q = tl.load(q + o_rk, mask=m_rk, other=0.0).to(tl.float32) * scale
+        b_k = tl.load(k + o_rk, mask=m_rk, other=0.0).to(tl.float32)
+        b_g = tl.load(G + o_rk, mask=m_rk, other=0.0)
+        b_beta = tl.load(beta + (bos + o_r) * H + i_h, mask=m_r, other=0.0).to(tl.float32)
+        # anchors, clamped into the sequence (rows past the end are masked everywhere they are used)
+        o_a = tl.minimum(i_t * BT + i_i * BC, L - 1)
+        o_e = tl.minimum(i_t * BT + i_i * BC + BC - 1, L - 1)
+        b_ga = tl.load(G + ((bos + o_a) * H + i_h) * K + o_k, mask=m_k, other=0.0)
+        b_ge = tl.load(G + ((bos + o_e) * H + i_h) * K + o_k, mask=m_k, other=0.0)
+        b_Xk = tl.zeros([BC, BK], dtype=tl.float32)
+        b_Xq = tl.zeros([BC, BK], dtype=tl.float32)
+        b_Y = tl.zeros([BC, BK], dtype=tl.float32)
+        for i_j in tl.static_range(NB):
+            o_s = i_t * BT + i_j * BC + o_c
+            m_s = o_s < L
+            m_sk = m_s[:, None] & m_k[None, :]
+            o_sk = ((bos + o_s) * H + i_h)[:, None] * K + o_k[None, :]
+            if i_j < i_i:  # columns in block j, rows in block i
+                b_ks = tl.load(k + o_sk, mask=m_sk, other=0.0).to(tl.float32)
+                b_gs = tl.load(G + o_sk, mask=m_sk, other=0.0)
+                b_kc = b_ks * tl.exp(tl.where(m_sk, b_ga[None, :] - b_gs, NEG_INF))  # exp(G_a - G_c) <= 1
+                b_dAk = tl.load(dAkk + o_rA + (i_j * BC + o_c)[None, :], mask=m_r[:, None], other=0.0)
+                b_dAq = tl.load(dAqk + o_rA + (i_j * BC + o_c)[None, :], mask=m_r[:, None], other=0.0)
+                b_Xk += tl.dot(b_dAk, b_kc, input_precision=DOT_PREC)
+                b_Xq += tl.dot(b_dAq, b_kc, input_precision=DOT_PREC)
+            if i_j > i_i:  # rows in block j, columns in block i
+                b_ks = tl.load(k + o_sk, mask=m_sk, other=0.0).to(tl.float32)
+                b_qs = tl.load(q + o_sk, mask=m_sk, other=0.0).to(tl.float32) * scale
+                b_gs = tl.load(G + o_sk, mask=m_sk, other=0.0)
+                b_bs = tl.load(beta + (bos + o_s) * H + i_h, mask=m_s, other=0.0).to(tl.float32)
+                b_rs = tl.exp(tl.where(m_sk, b_gs - b_ge[None, :], NEG_INF))  # exp(G_r - G_e) <= 1
+                o_sA = ((bos + o_s) * H + i_h)[:, None] * BT + (i_i * BC + o_c)[None, :]
+                b_dAk = tl.load(dAkk + o_sA, mask=m_s[:, None], other=0.0)
+                b_dAq = tl.load(dAqk + o_sA, mask=m_s[:, None], other=0.0)
+                b_Y += tl.dot(tl.trans(b_dAk), b_ks * b_rs * b_bs[:, None], input_precision=DOT_PREC)
+                b_Y += tl.dot(tl.trans(b_dAq), b_qs * b_rs, input_precision=DOT_PREC)
+        b_Xk *= tl.exp(tl.where(m_rk, b_g - b_ga[None, :], NEG_INF))  # exp(G_r - G_a) <= 1
+        b_Xq *= tl.exp(tl.where(m_rk, b_g - b_ga[None, :], NEG_INF))
+        b_Y *= tl.exp(tl.where(m_rk, b_ge[None, :] - b_g, NEG_INF))  # exp(G_e - G_c) <= 1
+        # diagonal sub-block, one column j at a time (E[r, j] for r > j from exact differences). The diagonal of
+        # A_qk (E_rr = 1) does not depend on G: it goes to dq and dk only, so dG never holds its +x - x
+        b_dAk = tl.load(dAkk + o_rA + (i_i * BC + o_c)[None, :], mask=m_r[:, None] & m_lower, other=0.0)
+        b_dAq = tl.load(dAqk + o_rA + (i_i * BC + o_c)[None, :], mask=m_r[:, None] & m_lower_eq, other=0.0)
+        b_dAq_rr = tl.sum(tl.where(m_lower_eq & ~m_lower, b_dAq, 0.0), 1)  # dA_qk[r, r]
+        b_dAq = tl.where(m_lower, b_dAq, 0.0)
+        b_bk = b_beta[:, None] * b_k
+        for j in range(BC):
+            o_j = tl.minimum(i_t * BT + i_i * BC + j, L - 1)  # a column past the end meets only masked rows
+            o_jk = ((bos + o_j) * H + i_h) * K + o_k
+            b_kj = tl.load(k + o_jk, mask=m_k, other=0.0).to(tl.float32)
+            b_gj = tl.load(G + o_jk, mask=m_k, other=0.0)
+            b_e = tl.exp(tl.where((o_c >= j)[:, None] & m_rk, b_g - b_gj[None, :], NEG_INF))
+            m_col = (o_c == j)[None, :]
+            b_ak = tl.sum(tl.where(m_col, b_dAk, 0.0), 1)[:, None] * b_e  # dA_kk[r, j] E_rj
+            b_aq = tl.sum(tl.where(m_col, b_dAq, 0.0), 1)[:, None] * b_e
+            b_Xk += b_ak * b_kj[None, :]
+            b_Xq += b_aq * b_kj[None, :]
+            b_yj = tl.sum(b_ak * b_bk + b_aq * b_q, 0)
+            b_Y = tl.where((o_c == j)[:, None], b_Y + b_yj[None, :], b_Y)
+        b_dq = tl.load(dq + o_rk, mask=m_rk, other=0.0) + (b_Xq + b_dAq_rr[:, None] * b_k) * scale
+        b_dk = tl.load(dk + o_rk, mask=m_rk, other=0.0) + b_beta[:, None] * b_Xk + b_Y + b_dAq_rr[:, None] * b_q
+        b_db = tl.load(dbeta + (bos + o_r) * H + i_h, mask=m_r, other=0.0) + tl.sum(b_k * b_Xk, 1)
+        b_dG = tl.load(dG + o_rk, mask=m_rk, other=0.0) + b_bk * b_Xk + b_q * b_Xq - b_k * b_Y
+        b_dg = tl.cumsum(b_dG, axis=0, reverse=True) + b_carry[None, :]
+        b_carry += tl.sum(b_dG, 0)
+        tl.store(dq + o_rk, b_dq, mask=m_rk)
+        tl.store(dk + o_rk, b_dk, mask=m_rk)
+        tl.store(dbeta + (bos + o_r) * H + i_h, b_db, mask=m_r)
+        tl.store(dG + o_rk, b_dg, mask=m_rk)
+
+
 _kda_gate_cumsum_kernel = _LazyKernel(_kda_gate_cumsum_kernel)
 _kda_intra_fwd_kernel = _LazyKernel(_kda_intra_fwd_kernel)
 _kda_solve_wu_kernel = _LazyKernel(_kda_solve_wu_kernel)
 _kda_state_scan_kernel = _LazyKernel(_kda_state_scan_kernel)
 _kda_output_kernel = _LazyKernel(_kda_output_kernel)
 _kda_fused_recurrent_kernel = _LazyKernel(_kda_fused_recurrent_kernel)
+_kda_state_bwd_kernel = _LazyKernel(_kda_state_bwd_kernel)
+_kda_chunk_bwd_kernel = _LazyKernel(_kda_chunk_bwd_kernel)
+_kda_intra_bwd_kernel = _LazyKernel(_kda_intra_bwd_kernel)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -440,15 +724,46 @@ def _chunk_layout(cu_seqlens: torch.Tensor | None, B: int, T: int, device) -> tu
     return cu_seqlens.to(torch.int32), chunk_indices.to(device), offsets.to(device)
 
 
-def _chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
-    """Chunked forward on [B, T, H, *] inputs (q, k already normalised if asked). Returns o, final state."""
-    B, T, H, K = q.shape
-    V = v.shape[-1]
+def _check_head_dims(K: int, V: int) -> None:
     if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
         raise ValueError(f"the Triton KDA kernels hold a head in registers: K, V <= {MAX_HEAD_DIM}, got {K}, {V}")
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    cu, chunk_indices, chunk_offsets = _chunk_layout(cu_seqlens, B, T, q.device)
+
+
+def _scan_block_v(BK: int, BV: int) -> int:
+    # the scans hold a [BK, BVS] fp32 state slice in registers: 32 columns keep K = 128 at 32 values a thread
+    return min(BV, 64 if BK <= 64 else 32)
+
+
+def _chunk_state_scan(k, w, u, G, initial_state, output_final_state, layout):
+    """Kernel 4: states entering every chunk h [NC, H, K, V], v_new [B, T, H, V] and the final state."""
+    cu, chunk_indices, chunk_offsets = layout
+    B, T, H, K = k.shape
+    V = u.shape[-1]
     N, NC = cu.numel() - 1, chunk_indices.shape[0]
+    BK, BV = _block(K), _block(V)
+    f32 = dict(device=k.device, dtype=torch.float32)
+    BVS = _scan_block_v(BK, BV)
+    h = torch.empty(NC, H, K, V, **f32)  # state entering each chunk
+    v_new = torch.empty(B, T, H, V, **f32)
+    ht = torch.empty(N, H, K, V, **f32) if output_final_state else None
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    _kda_state_scan_kernel[(triton.cdiv(V, BVS), N, H)](
+        k, w, u, G, h0 if h0 is not None else h, ht if ht is not None else h, h, v_new, cu, chunk_offsets,
+        H=H, K=K, V=V, BT=CHUNK_SIZE, BK=BK, BV=BVS, HAS_H0=h0 is not None, STORE_HT=ht is not None,
+        DOT_PREC=_dot_precision(k.dtype),
+        num_warps=4, num_stages=SCAN_NUM_STAGES)
+    return h, v_new, ht
+
+
+def _chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+    """Chunked forward on contiguous [B, T, H, *] inputs (q, k already normalised if asked). Returns o, the
+    final state and what the backward reuses: (G, A_qk, Ai = (I + A_kk)^-1, w, u), all fp32."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    _check_head_dims(K, V)
+    layout = _chunk_layout(cu_seqlens, B, T, q.device)
+    cu, chunk_indices, _ = layout
+    NC = chunk_indices.shape[0]
     BT, BC, BK, BV = CHUNK_SIZE, SUB_CHUNK, _block(K), _block(V)
     prec = _dot_precision(v.dtype)
     f32 = dict(device=q.device, dtype=torch.float32)
@@ -459,27 +774,61 @@ def _chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, c
     Aqk = torch.empty(B, T, H, BT, **f32)
     _kda_intra_fwd_kernel[(NC, H)](q, k, G, beta, Akk, Aqk, cu, chunk_indices, scale,
                                    H=H, K=K, BT=BT, BC=BC, BK=BK, DOT_PREC=prec)
+    Ai = torch.empty(B, T, H, BT, **f32)
     w = torch.empty(B, T, H, K, **f32)
     u = torch.empty(B, T, H, V, **f32)
-    _kda_solve_wu_kernel[(NC, H)](k, v, G, beta, Akk, w, u, cu, chunk_indices,
+    _kda_solve_wu_kernel[(NC, H)](k, v, G, beta, Akk, Ai, w, u, cu, chunk_indices,
                                   H=H, K=K, V=V, BT=BT, BC=BC, BK=BK, BV=BV, DOT_PREC=prec)
-
-    # the scan holds a [BK, BVS] fp32 state slice in registers: 32 columns keep K = 128 at 32 values a thread
-    BVS = min(BV, 64 if BK <= 64 else 32)
-    h = torch.empty(NC, H, K, V, **f32)  # state entering each chunk
-    v_new = torch.empty(B, T, H, V, **f32)
-    ht = torch.empty(N, H, K, V, **f32) if output_final_state else None
-    h0 = initial_state.contiguous() if initial_state is not None else None
-    _kda_state_scan_kernel[(triton.cdiv(V, BVS), N, H)](
-        k, w, u, G, h0 if h0 is not None else h, ht if ht is not None else h, h, v_new, cu, chunk_offsets,
-        H=H, K=K, V=V, BT=BT, BK=BK, BV=BVS, HAS_H0=h0 is not None, STORE_HT=ht is not None, DOT_PREC=prec,
-        num_warps=4, num_stages=SCAN_NUM_STAGES)
+    del Akk
+    h, v_new, ht = _chunk_state_scan(k, w, u, G, initial_state, output_final_state, layout)
 
     o = torch.empty(B, T, H, V, device=q.device, dtype=v.dtype)
     BVO = min(BV, 64)
     _kda_output_kernel[(triton.cdiv(V, BVO), NC, H)](
         q, G, Aqk, h, v_new, o, cu, chunk_indices, scale, H=H, K=K, V=V, BT=BT, BK=BK, BV=BVO, DOT_PREC=prec)
-    return o, ht
+    return o, ht, (G, Aqk, Ai, w, u)
+
+
+def _chunk_kda_bwd(q, k, v, beta, scale, initial_state, cu_seqlens, saved, do, dht, need_dh0):
+    """Chunked backward: recompute h and v_new (one forward scan), reverse scan for dh, then the per-chunk
+    kernels. Returns dq, dk, dv, dg, dbeta in their inputs' dtypes and dh0 (fp32, None unless need_dh0)."""
+    G, Aqk, Ai, w, u = saved
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    layout = _chunk_layout(cu_seqlens, B, T, q.device)
+    cu, chunk_indices, chunk_offsets = layout
+    N, NC = cu.numel() - 1, chunk_indices.shape[0]
+    BT, BC, BK, BV = CHUNK_SIZE, SUB_CHUNK, _block(K), _block(V)
+    prec = _dot_precision(v.dtype)
+    f32 = dict(device=q.device, dtype=torch.float32)
+    h, v_new, _ = _chunk_state_scan(k, w, u, G, initial_state, False, layout)
+
+    do = do.contiguous()
+    dht = dht.contiguous() if dht is not None else None
+    dh = torch.empty(NC, H, K, V, **f32)  # gradient of the state leaving each chunk
+    dv_new = torch.empty(B, T, H, V, **f32)
+    dh0 = torch.empty(N, H, K, V, **f32) if need_dh0 else None
+    BVS = _scan_block_v(BK, BV)
+    _kda_state_bwd_kernel[(triton.cdiv(V, BVS), N, H)](
+        q, k, w, G, Aqk, do, dht if dht is not None else dh, dh0 if dh0 is not None else dh, dh, dv_new,
+        cu, chunk_offsets, scale, H=H, K=K, V=V, BT=BT, BK=BK, BV=BVS, HAS_DHT=dht is not None,
+        STORE_DH0=dh0 is not None, DOT_PREC=prec, num_warps=4, num_stages=STATE_BWD_NUM_STAGES)
+
+    dq = torch.empty(B, T, H, K, **f32)
+    dk = torch.empty(B, T, H, K, **f32)
+    dG = torch.empty(B, T, H, K, **f32)  # per-token gradient of G, then (intra kernel) dg in place
+    dbeta = torch.empty(B, T, H, **f32)
+    dv = torch.empty_like(v)
+    dAqk = torch.empty(B, T, H, BT, **f32)
+    dAkk = torch.empty(B, T, H, BT, **f32)
+    _kda_chunk_bwd_kernel[(NC, H)](
+        q, k, v, G, beta, h, dh, v_new, dv_new, w, u, Ai, do, dq, dk, dv, dbeta, dG, dAqk, dAkk,
+        cu, chunk_indices, scale, H=H, K=K, V=V, BT=BT, BK=BK, BV=min(BV, CHUNK_BWD_BV), DOT_PREC=prec,
+        num_warps=CHUNK_BWD_NUM_WARPS, num_stages=CHUNK_BWD_NUM_STAGES)
+    _kda_intra_bwd_kernel[(NC, H)](
+        q, k, G, beta, dAqk, dAkk, dq, dk, dbeta, dG, cu, chunk_indices, scale,
+        H=H, K=K, BT=BT, BC=BC, BK=BK, DOT_PREC=prec)
+    return dq.to(q.dtype), dk.to(k.dtype), dv, dG, dbeta, dh0
 
 
 def _fused_recurrent_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm,
@@ -488,8 +837,7 @@ def _fused_recurrent_kda_fwd(q, k, v, g, beta, scale, initial_state, output_fina
     asked); with inplace_final_state the final state is written into initial_state and that tensor returned."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
-        raise ValueError(f"the Triton KDA kernels hold a head in registers: K, V <= {MAX_HEAD_DIM}, got {K}, {V}")
+    _check_head_dims(K, V)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     o = torch.empty(B, T, H, V, device=q.device, dtype=v.dtype)
@@ -521,34 +869,24 @@ def _fused_recurrent_kda_fwd(q, k, v, g, beta, scale, initial_state, output_fina
 
 
 class ChunkKDAFunction(torch.autograd.Function):
-    """Triton forward; the backward recomputes the forward with the PyTorch twin and differentiates it."""
+    """Triton forward and backward; saves the fp32 G, A_qk, Ai, w, u of the forward (the backward recomputes
+    the per-chunk states with one more forward scan instead of keeping them)."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
-        o, ht = _chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
-        ctx.save_for_backward(q, k, v, g, beta, initial_state)
-        ctx.scale, ctx.cu_seqlens = scale, cu_seqlens
-        if ht is not None:
-            return o, ht
-        return o, None
+        q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+        o, ht, saved = _chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+        ctx.save_for_backward(q, k, v, beta, initial_state, *saved)
+        ctx.scale, ctx.cu_seqlens, ctx.g_dtype = scale, cu_seqlens, g.dtype
+        return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, beta, initial_state = ctx.saved_tensors
-        inputs = [x.detach().requires_grad_(x.requires_grad) for x in (q, k, v, g, beta)]
-        h0 = None if initial_state is None else initial_state.detach().requires_grad_(initial_state.requires_grad)
-        with torch.enable_grad():
-            o, ht = chunk_kda_torch(*inputs, ctx.scale, h0, dht is not None, False, ctx.cu_seqlens)
-            outputs, grads = [o], [do]
-            if dht is not None:
-                outputs.append(ht)
-                grads.append(dht)
-            wrt = [x for x in (*inputs, h0) if x is not None and x.requires_grad]
-            got = iter(torch.autograd.grad(outputs, wrt, grads, allow_unused=True)) if wrt else iter(())
-        dq, dk, dv, dg, dbeta, dh0 = (
-            next(got) if x is not None and x.requires_grad else None for x in (*inputs, h0)
-        )
-        return dq, dk, dv, dg, dbeta, None, dh0, None, None
+        q, k, v, beta, initial_state, *saved = ctx.saved_tensors
+        need_dh0 = initial_state is not None and ctx.needs_input_grad[6]
+        dq, dk, dv, dg, dbeta, dh0 = _chunk_kda_bwd(q, k, v, beta, ctx.scale, initial_state, ctx.cu_seqlens,
+                                                    saved, do, dht, need_dh0)
+        return dq, dk, dv, dg.to(ctx.g_dtype), dbeta.to(beta.dtype), None, dh0, None, None
 
 
 # --------------------------------------------------------------------------------------------------

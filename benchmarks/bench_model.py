@@ -29,7 +29,7 @@ sys.meta_path.insert(0, _BlockFla())
 sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
-from transformers import KimiLinearConfig, KimiLinearForCausalLM  # noqa: E402
+from transformers import KimiLinearForCausalLM  # noqa: E402
 
 from kda_hybrid import KDAHybridCache, KDAHybridForCausalLM  # noqa: E402
 from shapes import tiny_6p5m  # noqa: E402

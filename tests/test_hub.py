@@ -19,11 +19,12 @@ from transformers.dynamic_module_utils import get_imports, get_relative_import_f
 import kda_hybrid
 from kda_hybrid import KDAHybridCache, KDAHybridConfig, KDAHybridForCausalLM
 from kda_hybrid.model_card_kda_hybrid import GENERATED_MARKER, cache_bytes, model_card, write_model_card
-from kda_hybrid.modeling_kda_hybrid import KDAHybridPreTrainedModel
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _fake_hub import FakeHub  # noqa: E402
 from _tokenizer import EOS_ID, VOCAB_SIZE, tiny_tokenizer  # noqa: E402
+
+from . import test_model as model_tests  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PACKAGE_DIR = Path(kda_hybrid.__file__).parent
@@ -39,17 +40,7 @@ THREADS = max(1, min(2, os.cpu_count() or 1))  # as conftest: the child must add
 
 
 def tiny_config(attention="mla", moe=True, **over):
-    cfg = dict(
-        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-        linear_num_heads=2, linear_head_dim=16, linear_conv_kernel_size=4,
-        attention_type=attention, num_attention_heads=4, num_key_value_heads=2,
-        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
-        num_experts=4 if moe else None, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
-        first_k_dense_replace=1, routed_scaling_factor=1.5,
-        pad_token_id=0, bos_token_id=1, eos_token_id=EOS_ID,
-    )
-    cfg.update(over)
-    return KDAHybridConfig(**cfg)
+    return model_tests.tiny_config(attention, moe, vocab_size=VOCAB_SIZE, eos_token_id=EOS_ID, **over)
 
 
 def tiny_model(attention="mla", moe=True, seed=0):
@@ -62,43 +53,6 @@ def tiny_model(attention="mla", moe=True, seed=0):
             elif name.endswith("e_score_correction_bias"):
                 p.normal_(0, 0.1)
     return model
-
-
-# --------------------------------------------------------------------------------------------------
-# Until KDAHybridPreTrainedModel carries the save hook (docs/hub.md), tests add it; a no-op once it is there.
-# --------------------------------------------------------------------------------------------------
-
-
-def interim_save_hooks() -> dict:
-    """The hooks docs/hub.md asks KDAHybridPreTrainedModel to carry: auto_map for both Auto classes, README.md."""
-    cls = KDAHybridPreTrainedModel
-
-    def save_pretrained(self, save_directory, is_main_process=True, **kwargs):
-        if self.is_remote_code():  # both Auto classes, whichever class was saved
-            module = type(self).__module__.rsplit(".", 1)[-1]
-            self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}),
-                                    "AutoModel": f"{module}.KDAHybridModel",
-                                    "AutoModelForCausalLM": f"{module}.KDAHybridForCausalLM"}
-        super(cls, self).save_pretrained(save_directory, is_main_process=is_main_process, **kwargs)
-        if is_main_process:
-            write_model_card(self.config, save_directory)
-
-    def _upload_modified_files(self, working_dir, repo_id, *args, **kwargs):
-        write_model_card(self.config, working_dir, model_id=repo_id)
-        return super(cls, self)._upload_modified_files(working_dir, repo_id, *args, **kwargs)
-
-    return {"save_pretrained": save_pretrained, "_upload_modified_files": _upload_modified_files}
-
-
-def hook_landed() -> bool:
-    return "save_pretrained" in vars(KDAHybridPreTrainedModel)
-
-
-def install_interim_save_hook():
-    """For child processes (push, dry run): add the hooks unless the model already has them."""
-    if not hook_landed():
-        for name, fn in interim_save_hooks().items():
-            setattr(KDAHybridPreTrainedModel, name, fn)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -182,15 +136,6 @@ def load_in_fresh_process(src: str, tmp_path: Path, env_extra: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def save_hook():
-    with pytest.MonkeyPatch.context() as mp:
-        if not hook_landed():
-            for name, fn in interim_save_hooks().items():
-                mp.setattr(KDAHybridPreTrainedModel, name, fn)  # undone after this module's tests
-        yield
-
-
-@pytest.fixture(scope="module")
 def model():
     return tiny_model()
 
@@ -218,7 +163,7 @@ def expected(model, tokenizer):
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory, model, tokenizer, save_hook) -> Path:
+def saved(tmp_path_factory, model, tokenizer) -> Path:
     folder = tmp_path_factory.mktemp("ckpt") / "tiny-kda"
     model.save_pretrained(folder, max_shard_size=MAX_SHARD)
     tokenizer.save_pretrained(folder)
@@ -312,8 +257,6 @@ def fake_hub():
 PUSH = """
 import runpy, sys
 sys.path.insert(0, {tests!r})
-from test_hub import install_interim_save_hook
-install_interim_save_hook()
 sys.argv = ["push_to_hub.py", "--model", {src!r}, "--repo-id", "user/tiny-kda", "--max-shard-size", {shard!r}]
 runpy.run_path({example!r}, run_name="__main__")
 """
@@ -406,8 +349,6 @@ def test_push_example_dry_run_lists_files(tmp_path):
     code = f"""
 import runpy, sys
 sys.path.insert(0, {str(Path(__file__).parent)!r})
-from test_hub import install_interim_save_hook
-install_interim_save_hook()
 sys.argv = ["push_to_hub.py", "--tiny", "--repo-id", "user/tiny-kda", "--max-shard-size", "50KB", "--dry-run"]
 runpy.run_path({str(EXAMPLE)!r}, run_name="__main__")
 """

@@ -3,7 +3,7 @@ gradients, config validation."""
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, GenerationConfig
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from kda_hybrid import KDAHybridCache, KDAHybridConfig, KDAHybridForCausalLM
 from kda_hybrid.cache_kda_hybrid import KDALayerState, KVLayerState

@@ -7,7 +7,7 @@ import torch
 from kda_hybrid import KDAHybridForCausalLM
 
 from ._native import run_native, save_checkpoint
-from .test_model import VOCAB, prompt, tiny_model
+from .test_model import prompt, tiny_model
 
 
 def assert_rel_close(actual, expected, rel=1e-4):

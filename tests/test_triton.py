@@ -297,6 +297,33 @@ def test_chunk_low_precision_error_bound(T, dtype):
 
 
 @pytest.mark.skipif(not CUDA, reason="16-bit kernels need CUDA (the interpreter is fp32 only)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_chunk_backward_low_precision_error_bound(dtype):
+    """Every gradient on 16-bit inputs: the Triton backward (tf32 products) against autograd of the fp32
+    reference may be off by at most 2x the chunked torch twin's error on the same 16-bit inputs, plus the
+    rounding of the 16-bit gradient itself."""
+    B, T, H, K, V = 2, 300, 4, 128, 128
+    q, k, v, g, beta, h0 = to_device(make_inputs(B, T, H, K, V, init_state=True))
+    gen = torch.Generator().manual_seed(3)
+    do = torch.randn(B, T, H, V, generator=gen).to(DEVICE)
+    ds = torch.randn(B, H, K, V, generator=gen).to(DEVICE)
+
+    def grads(fn, cast):
+        xs = [x.detach().to(cast).requires_grad_() for x in (q, k, v, g, beta)] + [h0.detach().requires_grad_()]
+        o, s = fn(*xs)
+        ((o.float() * do).sum() + (s * ds).sum()).backward()
+        return [x.grad.float() for x in xs]
+
+    kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
+    ref = grads(lambda *x: chunk_kda(*x[:5], initial_state=x[5], backend="reference", **kw), torch.float32)
+    tri = grads(lambda *x: chunk_kda(*x[:5], initial_state=x[5], backend="triton", **kw), dtype)
+    twin = grads(lambda *x: chunk_kda_torch(*x[:5], K ** -0.5, x[5], True, True), dtype)
+    for name, a, b, t in zip("q k v g beta h0".split(), tri, ref, twin):
+        floor = torch.finfo(dtype).eps * b.abs().max().item()
+        assert _max_err(a, b) <= 2 * _max_err(t, b) + floor, name
+
+
+@pytest.mark.skipif(not CUDA, reason="16-bit kernels need CUDA (the interpreter is fp32 only)")
 def test_decode_bf16_in_place():
     B, T, H, K, V = 4, 8, 4, 128, 128
     q, k, v, g, beta, h0 = to_device(make_inputs(B, T, H, K, V, init_state=True))

@@ -119,47 +119,71 @@ class KDALayerState:
 
 
 class KVLayerState:
-    """Growing keys/values of one full-attention layer, [B, heads, T, dim] (for MLA: latent and shared key)."""
+    """Growing keys/values of one full-attention layer, [B, heads, T, dim] (for MLA: latent and shared key).
+
+    Stored in buffers with spare room (capacity doubles when full), so appending a decode step writes one
+    token instead of copying the whole cache as torch.cat would: per-token decode cost stays flat in context.
+    """
 
     is_sliding = False
     is_compileable = False
     record_past = False
 
     def __init__(self):
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
+        self._keys: torch.Tensor | None = None  # [B, heads, capacity, dim]
+        self._values: torch.Tensor | None = None
+        self.length = 0
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return None if self._keys is None else self._keys[..., : self.length, :]
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return None if self._values is None else self._values[..., : self.length, :]
 
     @property
     def is_initialized(self) -> bool:
-        return self.keys is not None
+        return self._keys is not None
 
     def tensors(self):
         return [self.keys, self.values] if self.is_initialized else []
 
     def update(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.keys is None:
-            self.keys, self.values = keys, values
-        else:
-            self.keys = torch.cat((self.keys, keys), dim=-2)
-            self.values = torch.cat((self.values, values), dim=-2)
+        n = keys.shape[-2]
+        if self._keys is None or self.length + n > self._keys.shape[-2]:
+            capacity = max(self.length + n, 2 * (self._keys.shape[-2] if self._keys is not None else 0))
+            self._keys = self._grow(self._keys, keys, capacity)
+            self._values = self._grow(self._values, values, capacity)
+        self._keys[..., self.length : self.length + n, :] = keys
+        self._values[..., self.length : self.length + n, :] = values
+        self.length += n
         return self.keys, self.values
+
+    def _grow(self, old: torch.Tensor | None, new: torch.Tensor, capacity: int) -> torch.Tensor:
+        buf = new.new_empty(*new.shape[:-2], capacity, new.shape[-1])
+        if old is not None:
+            buf[..., : self.length, :] = old[..., : self.length, :]
+        return buf
 
     def _apply(self, fn):
         if self.is_initialized:
-            self.keys, self.values = fn(self.keys), fn(self.values)
+            self._keys, self._values = fn(self.keys), fn(self.values)
 
     def reset(self):
-        self.keys = self.values = None
+        self._keys = self._values = None
+        self.length = 0
 
     def crop(self, tokens_to_remove: int):
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes a negative count of tokens to remove (or 0), got {tokens_to_remove}")
-        if tokens_to_remove and self.is_initialized:
-            self.keys = self.keys[..., :tokens_to_remove, :]
-            self.values = self.values[..., :tokens_to_remove, :]
+        self.length = max(0, self.length + tokens_to_remove)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def allocated_bytes(self) -> int:
+        return 0 if self._keys is None else sum(t.numel() * t.element_size() for t in (self._keys, self._values))
 
 
 class KDAHybridCache(Cache):
@@ -274,8 +298,10 @@ class KDAHybridCache(Cache):
         per_token = 0
         if self._seen_tokens and self.batch_size > 0:
             per_token = kv // (self._seen_tokens * self.batch_size)
+        kv_allocated = sum(layer.allocated_bytes() for layer in self.layers if isinstance(layer, KVLayerState))
         return {
             "tokens": self._seen_tokens,
+            "attention_kv_allocated_bytes": kv_allocated,  # includes the growth headroom of the KV buffers
             "kda_state_bytes": kda,
             "attention_kv_bytes": kv,
             "total_bytes": kda + kv,

@@ -162,6 +162,14 @@ def fused_recurrent_kda(
     updated in place, so a decode loop allocates no new state per step.
     """
     _check(q, k, v, g, beta, scale, initial_state, cu_seqlens, backend)
+    return _fused_recurrent_kda(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                                cu_seqlens, backend, inplace_final_state)
+
+
+def _fused_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                         use_qk_l2norm_in_kernel=False, cu_seqlens=None, backend="auto", inplace_final_state=False):
+    """fused_recurrent_kda without the input checks, for callers that build their inputs (the model's decode
+    step, where the ~20 checks cost as much as the step's recurrence on CPU)."""
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     args = (q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
     backend = _resolve(backend, q.device)

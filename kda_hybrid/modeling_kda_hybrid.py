@@ -22,7 +22,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .cache_kda_hybrid import KDAHybridCache, KDALayerState, KVLayerState, _Segment, shift_conv_state
 from .configuration_kda_hybrid import KDAHybridConfig
-from .kda_ops import chunk_kda, fused_recurrent_kda
+from .kda_ops import _fused_recurrent_kda, chunk_kda
 from .model_card_kda_hybrid import write_model_card
 
 SMALL_CONV_TOKENS = 8  # KDA short conv: up to this many new tokens, unfold + multiply instead of conv1d
@@ -37,10 +37,8 @@ class KDAHybridRMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * x.to(dtype)
+        # fp32 normalisation, weight applied in the input dtype (as the Kimi and Llama norms do); one fused op
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.variance_epsilon).to(x.dtype)
 
 
 class KDAHybridGatedRMSNorm(nn.Module):
@@ -52,10 +50,8 @@ class KDAHybridGatedRMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return (self.weight.float() * x * torch.sigmoid(gate.float())).to(dtype)
+        x32 = F.rms_norm(x.float(), x.shape[-1:], self.weight.float(), eps=self.variance_epsilon)
+        return (x32 * torch.sigmoid(gate.float())).to(x.dtype)
 
 
 def _keep_fp32(module: nn.Module, names: tuple[str, ...]):
@@ -198,12 +194,16 @@ class KDAHybridDeltaAttention(nn.Module):
             ))
         kw = dict(initial_state=state, output_final_state=cache_layer is not None, use_qk_l2norm_in_kernel=True)
         if has_state and T == 1:  # decode: one recurrent step updating the cached state in place
-            o, state = fused_recurrent_kda(q, k, v, g, beta, inplace_final_state=not recording, **kw)
+            o, state = _fused_recurrent_kda(q, k, v, g, beta, inplace_final_state=not recording, **kw)
         else:
             o, state = chunk_kda(q, k, v, g, beta, **kw)
 
         if cache_layer is not None:
-            cache_layer.conv_states = [shift_conv_state(c, xi, n_real) for c, xi in zip(conv_before, conv_inputs)]
+            if token_mask is None:  # every row ends on a real token: the last (kernel - 1) inputs, copied small
+                cache_layer.conv_states = [torch.cat((c, xi), -1)[..., -width:].clone() if T < width
+                                           else xi[..., -width:].contiguous() for c, xi in zip(conv_before, conv_inputs)]
+            else:
+                cache_layer.conv_states = [shift_conv_state(c, xi, n_real) for c, xi in zip(conv_before, conv_inputs)]
             cache_layer.recurrent_state = state
 
         o = self._output(x, o)

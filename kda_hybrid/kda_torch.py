@@ -200,7 +200,10 @@ def _chunk_fwd(q, k, v, g, beta, state, chunk_size):
     if float(-G_last.detach().min()) <= MAX_BLOCK_DECAY:
         # Common case: no channel decays by more than e^-60 over a chunk, so exp(G_r - G_c) factors through
         # the chunk start (see _gated_products) and one matmul per product covers the whole chunk.
-        k_inv = k * torch.exp(-G)  # <= |k| e^60 (not k / decay: its backward squares decay, which underflows)
+        if torch.is_grad_enabled() and (k.requires_grad or G.requires_grad):
+            k_inv = k * torch.exp(-G)  # <= |k| e^60 (not k / decay: its backward squares decay, which underflows)
+        else:
+            k_inv = k / decay  # the same value; one pass instead of negate + exp + multiply
         A_kk = (kg @ k_inv.transpose(-1, -2)) * beta  # only its strict lower triangle is read below
         A_qk = (qg @ k_inv.transpose(-1, -2)).tril()
         k_out = k_inv * G_last.exp()  # = k exp(G_last - G), a product of two bounded factors

@@ -1,0 +1,144 @@
+"""Build a training corpus for examples/train.py: the Python standard library's own sources (every machine with
+Python has them), a byte-level BPE tokenizer trained on it, and the token streams.
+
+    python examples/prepare_data.py --out data/stdlib                       # stdlib corpus + a new tokenizer
+    python examples/prepare_data.py --source my_repo --glob "**/*.py" \\
+        --tokenizer checkpoints/kda-hybrid-stdlib --out data/my_repo      # fine-tuning data, existing tokenizer
+
+Deterministic: files are read in sorted order, the validation split is fixed by a hash of each file's relative
+path (so adding or removing one file moves no other), and the tokenizer is trained on the training files only.
+
+Output folder: `train.bin` / `val.bin` (uint16 token ids; every document is <|bos|> text <|eos|>, so document
+boundaries are the <|bos|> tokens), `meta.json` (counts, split, Python version) and the tokenizer
+(`tokenizer.json` + `tokenizer_config.json`, loadable with `AutoTokenizer.from_pretrained`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import platform
+import sys
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+
+SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>"]  # ids 0, 1, 2: the ids of benchmarks/shapes.py's configs
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+# Test suites are two thirds of the stdlib by size and mostly boilerplate (idlelib and lib2to3 carry their own);
+# encodings/ is 1.4 MB of generated charmap tables.
+SKIP_PARTS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "encodings"}
+VAL_PERCENT = 2  # files whose path hash falls in the first 2% are held out (about 12 files, 200 KB for 3.11)
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def corpus_files(root: Path, pattern: str = "**/*.py") -> list[Path]:
+    files = (f for f in root.glob(pattern) if f.is_file() and not SKIP_PARTS & set(f.relative_to(root).parts))
+    return sorted(files, key=lambda f: f.relative_to(root).as_posix())
+
+
+def is_validation(rel_path: str) -> bool:
+    return int(hashlib.sha1(rel_path.encode()).hexdigest(), 16) % 100 < VAL_PERCENT
+
+
+def read_text(path: Path) -> str | None:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:  # a handful of stdlib files are latin-1 test fixtures; not worth learning
+        return None
+
+
+def train_tokenizer(texts: list[str], vocab_size: int):
+    """Byte-level BPE (any text round-trips) with <|pad|> <|bos|> <|eos|> at ids 0-2; encode() prepends <|bos|>,
+    as the training documents start with it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<|bos|> $A", pair="<|bos|> $A <|bos|> $B",
+                                                       special_tokens=[("<|bos|>", BOS_ID)])
+    assert [tok.token_to_id(t) for t in SPECIAL_TOKENS] == [PAD_ID, BOS_ID, EOS_ID]
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>",
+                                   pad_token="<|pad|>", model_max_length=1 << 20)
+
+
+def encode_documents(tokenizer, texts: list[str]) -> np.ndarray:
+    """<|bos|> text <|eos|> per document (the tokenizer adds <|bos|>), concatenated; uint16 ids."""
+    if len(tokenizer) > np.iinfo(np.uint16).max:
+        raise ValueError(f"vocab of {len(tokenizer)} does not fit the uint16 token files")
+    ids = tokenizer(texts, add_special_tokens=True).input_ids
+    eos = tokenizer.eos_token_id
+    return np.fromiter((t for doc in ids for t in (*doc, eos)), dtype=np.uint16)
+
+
+def prepare(out: Path, source: Path | None = None, pattern: str = "**/*.py", tokenizer_path: str | None = None,
+            vocab_size: int = 2048, max_files: int | None = None) -> dict:
+    root = source or stdlib_root()
+    files = corpus_files(root, pattern)[:max_files]
+    splits: dict[str, list[str]] = {"train": [], "val": []}
+    names: dict[str, list[str]] = {"train": [], "val": []}
+    for f in files:
+        text = read_text(f)
+        if not text or not text.strip():
+            continue
+        rel = f.relative_to(root).as_posix()
+        split = "val" if is_validation(rel) else "train"
+        splits[split].append(text)
+        names[split].append(rel)
+    if not splits["train"] or not splits["val"]:
+        raise ValueError(f"{root}: need files in both splits, got {len(splits['train'])} train / "
+                         f"{len(splits['val'])} validation (pattern {pattern!r})")
+    if tokenizer_path:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    else:
+        tokenizer = train_tokenizer(splits["train"], vocab_size)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(out)
+    meta = {
+        "source": "python-stdlib" if source is None else str(root), "pattern": pattern,
+        "python": platform.python_version(), "vocab_size": len(tokenizer),
+        "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id, "val_percent": VAL_PERCENT,
+    }
+    for split, texts in splits.items():
+        tokens = encode_documents(tokenizer, texts)
+        tokens.tofile(out / f"{split}.bin")
+        meta[split] = {"files": len(texts), "bytes": sum(len(t.encode()) for t in texts), "tokens": int(tokens.size),
+                       "sha1": hashlib.sha1(tokens.tobytes()).hexdigest()}
+    meta["val"]["names"] = names["val"]
+    (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    return meta
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True, help="output folder")
+    p.add_argument("--source", type=Path, help="folder of text files (default: this Python's standard library)")
+    p.add_argument("--glob", default="**/*.py", help="files under --source to read, in sorted order")
+    p.add_argument("--tokenizer", help="use this tokenizer (a checkpoint folder) instead of training one")
+    p.add_argument("--vocab-size", type=int, default=2048, help="BPE vocabulary when training a tokenizer")
+    p.add_argument("--max-files", type=int, help="only the first N files (quick experiments, tests)")
+    args = p.parse_args(argv)
+    meta = prepare(args.out, args.source, args.glob, args.tokenizer, args.vocab_size, args.max_files)
+    for split in ("train", "val"):
+        m = meta[split]
+        print(f"{split}: {m['files']} files, {m['bytes'] / 1e6:.2f} MB, {m['tokens']:,} tokens "
+              f"({m['bytes'] / m['tokens']:.2f} bytes/token)", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

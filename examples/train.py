@@ -1,0 +1,347 @@
+"""Train a KDA hybrid LM from scratch, or fine-tune one, on packed documents.
+
+    python examples/prepare_data.py --out data/stdlib                 # corpus + tokenizer (once)
+    python examples/train.py --data data/stdlib --out runs/hybrid --steps 600
+    python examples/train.py --data data/stdlib --out runs/full --steps 600 --all-attention   # the twin
+    python examples/train.py --data data/mine --model checkpoints/kda-hybrid-stdlib --out runs/ft --lr 3e-4
+    torchrun --nproc_per_node 2 examples/train.py ...                 # DDP (gloo on CPU, nccl on GPU)
+    accelerate launch --use_fsdp ... examples/train.py ...           # FSDP, or any `accelerate config`
+
+Batches: the token stream of `--data` (documents as <|bos|> text <|eos|>, see prepare_data.py) is cut into rows of
+`--seq-len` tokens; a row holds several documents end to end, marked by position_ids that restart at 0 at every
+<|bos|>. The model turns that into varlen KDA (`cu_seqlens`) and a block-diagonal attention mask, and the first
+token of each document is never a target, so nothing crosses a document boundary: neither state nor loss.
+
+One step = `--batch-size` rows (the global batch, split over processes, then into micro-batches of
+`--micro-batch-size` rows with gradient accumulation). The loss is the sum of token losses divided by the number
+of target tokens in the whole global batch, counted from the data on every process, so 1, 2 or N processes and
+any accumulation give the same gradient (up to float summation order). The learning-rate schedule is a
+function of the step (warmup then cosine), so resuming needs only the step.
+
+Outputs in `--out`: `log.jsonl` (train loss every step, validation loss/perplexity every `--eval-every`),
+`checkpoint/` (model + optimizer, every `--save-every` steps and at the end, for `--resume`) and `final/`
+(save_pretrained: safetensors in `--save-dtype`, remote code, tokenizer, generation_config).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parent.parent
+IGNORE_INDEX = -100
+
+
+# ------------------------------------------------------------------------------------------------------
+# Data: packed rows from a token stream
+# ------------------------------------------------------------------------------------------------------
+
+
+def load_tokens(path: Path) -> np.ndarray:
+    return np.memmap(path, dtype=np.uint16, mode="r")
+
+
+def num_rows(tokens: np.ndarray, seq_len: int) -> int:
+    return len(tokens) // seq_len  # the tail shorter than a row is dropped
+
+
+def make_batch(tokens: np.ndarray, rows, seq_len: int, bos_id: int) -> dict[str, torch.Tensor]:
+    """input_ids, position_ids (restarting at each <|bos|> and at each row start) and labels (the input ids, with
+    IGNORE_INDEX where a document starts: that token is not predicted from the previous document) for `rows`."""
+    ids = np.stack([np.asarray(tokens[r * seq_len:(r + 1) * seq_len], dtype=np.int64) for r in rows])
+    starts = ids == bos_id
+    starts[:, 0] = True
+    t = np.arange(seq_len)
+    last_start = np.maximum.accumulate(np.where(starts, t, 0), axis=1)
+    labels = np.where(starts, IGNORE_INDEX, ids)
+    return {"input_ids": torch.from_numpy(ids), "position_ids": torch.from_numpy(t - last_start),
+            "labels": torch.from_numpy(labels)}
+
+
+def target_count(batch) -> int:
+    """Tokens that are predicted: labels[:, 1:] that are not ignored (position t predicts token t + 1)."""
+    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+
+def rows_for_step(step: int, batch_size: int, n_rows: int, seed: int) -> np.ndarray:
+    """The global batch of `step`: consecutive slices of one fixed permutation of the rows per epoch."""
+    out = []
+    first = step * batch_size
+    while len(out) < batch_size:
+        epoch, offset = divmod(first + len(out), n_rows)
+        perm = np.random.default_rng([seed, epoch]).permutation(n_rows)
+        out.extend(perm[offset:offset + batch_size - len(out)].tolist())
+    return np.asarray(out)
+
+
+def loss_sum(model, batch) -> torch.Tensor:
+    """Sum of next-token cross-entropies (fp32) over the batch's targets.
+
+    The rows go in end to end as one row ([1, B * T]; each row starts a document, as its position_ids restart)
+    and without attention_mask, so the model always takes its packed path: varlen KDA and a block-diagonal
+    attention mask. Same result as B separate rows; on CPU it avoids the depthwise conv1d backward of the
+    unpacked path, which costs up to 10x the whole rest of the step (measured at 0.9 s per call, [4, 256, 515]).
+    """
+    logits = model(input_ids=batch["input_ids"].reshape(1, -1), position_ids=batch["position_ids"].reshape(1, -1),
+                   use_cache=False).logits
+    labels = batch["labels"].reshape(1, -1)  # row starts are document starts: never targets across rows
+    return F.cross_entropy(logits[0, :-1].float(), labels[0, 1:], ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def lr_at(step: int, args) -> float:
+    """Linear warmup over `warmup` steps, then cosine from lr down to lr * min_lr_ratio at the last step."""
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+# ------------------------------------------------------------------------------------------------------
+# Model
+# ------------------------------------------------------------------------------------------------------
+
+
+def build_model(args, meta: dict):
+    if args.model:  # fine-tune: the checkpoint's own code and config
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=True, dtype=torch.float32)
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from shapes import tiny_6p5m
+
+    from kda_hybrid import KDAHybridForCausalLM
+
+    over = {"vocab_size": meta["vocab_size"], "bos_token_id": meta["bos_token_id"],
+            "eos_token_id": meta["eos_token_id"], "pad_token_id": meta["pad_token_id"]}
+    over.update(json.loads(args.config_json) if args.config_json else {})
+    config = tiny_6p5m(**over)
+    if args.all_attention:
+        config.layer_types = ["full_attention"] * config.num_hidden_layers
+        config._validate()
+    torch.manual_seed(args.seed)
+    return KDAHybridForCausalLM(config)
+
+
+def param_groups(model, weight_decay: float):
+    """Weight decay on matrices only: not on norms, biases or the KDA decay parameters (A_log, dt_bias)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if p.dim() < 2 or name.endswith(("A_log", "dt_bias")) or "norm" in name:
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def save_final(accelerator, model, args, out: Path):
+    """save_pretrained of the trained weights (full state dict, also under FSDP), tokenizer, generation config."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    state = accelerator.get_state_dict(model)
+    if not accelerator.is_main_process:
+        return
+    unwrapped = accelerator.unwrap_model(model)
+    fresh = type(unwrapped)(unwrapped.config)
+    fresh.load_state_dict({k: v.float() for k, v in state.items()})
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.save_dtype]
+    fresh.to(dtype)  # A_log and dt_bias stay fp32 (the model keeps them so through .to)
+    fresh.generation_config = GenerationConfig(
+        do_sample=True, temperature=0.7, top_p=0.95, top_k=50, repetition_penalty=1.1, max_new_tokens=128,
+        bos_token_id=fresh.config.bos_token_id, eos_token_id=fresh.config.eos_token_id,
+        pad_token_id=fresh.config.pad_token_id,
+    )
+    fresh.save_pretrained(out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(args.data).save_pretrained(out)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Training loop
+# ------------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def evaluate(accelerator, model, val_tokens, args, bos_id) -> tuple[float, int]:
+    """Mean validation loss over every full row of val.bin (or the first --eval-rows), rows split over ranks."""
+    model.eval()
+    n = num_rows(val_tokens, args.seq_len)
+    n = min(n, args.eval_rows) if args.eval_rows else n
+    total = torch.zeros(2, dtype=torch.float64)
+    mine = list(range(accelerator.process_index, n, accelerator.num_processes))
+    for i in range(0, len(mine), args.micro_batch_size):
+        batch = make_batch(val_tokens, mine[i:i + args.micro_batch_size], args.seq_len, bos_id)
+        with accelerator.autocast():
+            total[0] += loss_sum(model, batch).double().item()
+        total[1] += target_count(batch)
+    total = accelerator.reduce(total.to(accelerator.device), "sum").cpu()
+    model.train()
+    return float(total[0] / total[1]), int(total[1])
+
+
+def read_log(path: Path, upto_step: int) -> list[dict]:
+    if not path.exists():
+        return []
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r["step"] <= upto_step]
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from tqdm.auto import tqdm
+
+    mixed = args.mixed_precision
+    if mixed == "auto":
+        mixed = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+    accelerator = Accelerator(mixed_precision=mixed, cpu=args.cpu)
+    set_seed(args.seed)
+    world, rank = accelerator.num_processes, accelerator.process_index
+    if args.batch_size % (world * args.micro_batch_size):
+        raise ValueError(f"--batch-size {args.batch_size} must be a multiple of processes x --micro-batch-size "
+                         f"= {world} x {args.micro_batch_size}")
+    out = Path(args.out)
+    data = Path(args.data)
+    meta = json.loads((data / "meta.json").read_text())
+    bos_id = meta["bos_token_id"]
+    train_tokens, val_tokens = load_tokens(data / "train.bin"), load_tokens(data / "val.bin")
+    n_rows = num_rows(train_tokens, args.seq_len)
+
+    model = build_model(args, meta)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    n_params = sum(p.numel() for p in model.parameters())
+    optimizer = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95),
+                                  eps=1e-8)
+    model, optimizer = accelerator.prepare(model, optimizer)
+
+    ckpt = out / "checkpoint"
+    start = 0
+    if args.resume and (ckpt / "trainer_state.json").exists():
+        accelerator.load_state(str(ckpt))
+        start = json.loads((ckpt / "trainer_state.json").read_text())["step"]
+    log_path = out / "log.jsonl"
+    log = read_log(log_path, start) if args.resume else []
+    if accelerator.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        log_path.write_text("".join(json.dumps(r) + "\n" for r in log))
+        (out / "args.json").write_text(json.dumps(vars(args), indent=1) + "\n")
+        accelerator.print(f"{n_params / 1e6:.2f}M parameters, {world} process(es), {n_rows} rows of {args.seq_len}, "
+                          f"steps {start}..{args.steps}, mixed precision {mixed}")
+
+    def write_log(record):
+        log.append(record)
+        if accelerator.is_main_process:
+            with log_path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def save_checkpoint(step):
+        accelerator.wait_for_everyone()
+        tmp = out / "checkpoint.tmp"
+        accelerator.save_state(str(tmp))
+        if accelerator.is_main_process:
+            (tmp / "trainer_state.json").write_text(json.dumps({"step": step}) + "\n")
+            if ckpt.exists():
+                shutil.rmtree(ckpt)
+            tmp.rename(ckpt)
+        accelerator.wait_for_everyone()
+
+    per_rank = args.batch_size // world
+    t0 = time.perf_counter()
+    deadline = t0 + args.max_minutes * 60 if args.max_minutes else None
+    bar = tqdm(total=args.steps, initial=start, disable=not accelerator.is_main_process, dynamic_ncols=True)
+    step = start
+    while step < args.steps:
+        rows = rows_for_step(step, args.batch_size, n_rows, args.seed)
+        global_targets = target_count(make_batch(train_tokens, rows, args.seq_len, bos_id))
+        mine = rows[rank * per_rank:(rank + 1) * per_rank]
+        lr = lr_at(step, args)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        local = torch.zeros((), dtype=torch.float64)
+        micro = [mine[i:i + args.micro_batch_size] for i in range(0, per_rank, args.micro_batch_size)]
+        for j, micro_rows in enumerate(micro):
+            batch = make_batch(train_tokens, micro_rows, args.seq_len, bos_id)
+            batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+            sync = accelerator.no_sync(model) if j < len(micro) - 1 else contextlib.nullcontext()
+            with sync:
+                with accelerator.autocast():
+                    s = loss_sum(model, batch)
+                # DDP/FSDP average gradients over processes; times `world` makes that the global-batch mean
+                accelerator.backward(s * (world / global_targets))
+            local += s.detach().double().cpu()
+        if args.grad_clip:
+            accelerator.clip_grad_norm_(model.parameters(), args.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        loss = float(accelerator.reduce(local.to(accelerator.device), "sum").cpu()) / global_targets
+        elapsed = time.perf_counter() - t0
+        write_log({"step": step, "loss": round(loss, 5), "lr": lr, "tokens": step * args.batch_size * args.seq_len,
+                   "elapsed_s": round(elapsed, 2)})
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}")
+        if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
+            val_loss, _ = evaluate(accelerator, model, val_tokens, args, bos_id)
+            write_log({"step": step, "val_loss": round(val_loss, 5), "val_ppl": round(math.exp(val_loss), 3)})
+            accelerator.print(f"\nstep {step}: val loss {val_loss:.4f}, ppl {math.exp(val_loss):.2f}")
+        out_of_time = deadline is not None and time.perf_counter() > deadline
+        if step == args.steps or out_of_time or (args.save_every and step % args.save_every == 0):
+            save_checkpoint(step)
+        if out_of_time and step < args.steps:
+            accelerator.print(f"\n--max-minutes reached at step {step}; continue with --resume")
+            break
+    bar.close()
+    if step == args.steps:
+        save_final(accelerator, model, args, out / "final")
+    accelerator.wait_for_everyone()
+    return {"step": step, "log": log, "params": n_params}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", required=True, help="folder written by examples/prepare_data.py")
+    p.add_argument("--out", required=True, help="output folder (log.jsonl, checkpoint/, final/)")
+    p.add_argument("--model", help="fine-tune this checkpoint (default: train benchmarks/shapes.py's 6.5M shape)")
+    p.add_argument("--config-json", help='overrides of the 6.5M shape, e.g. \'{"num_hidden_layers": 4}\'')
+    p.add_argument("--all-attention", action="store_true", help="every layer full attention (the twin)")
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--batch-size", type=int, default=16, help="rows per step over all processes")
+    p.add_argument("--micro-batch-size", type=int, default=8, help="rows per forward on each process")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--min-lr-ratio", type=float, default=0.1)
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--mixed-precision", choices=("auto", "no", "bf16", "fp16"), default="auto",
+                   help="autocast dtype; auto: bf16 on GPUs that support it, else fp32")
+    p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--eval-every", type=int, default=100, help="validation every N steps and at the end (0: never)")
+    p.add_argument("--eval-rows", type=int, default=0, help="validate on the first N rows only (0: all)")
+    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (always at the end)")
+    p.add_argument("--resume", action="store_true", help="continue from --out/checkpoint when it exists")
+    p.add_argument("--max-minutes", type=float, default=0, help="checkpoint and stop after this much wall time")
+    p.add_argument("--save-dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch threads per process (0: torch's default)")
+    p.add_argument("--cpu", action="store_true", help="train on CPU even when a GPU is present")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,11 +1,14 @@
 """Generate with a KDA hybrid model and report speed and cache memory.
 
-    python examples/generate.py                                  # a fresh 6.5M-parameter model (random weights)
-    python examples/generate.py --model path/or/repo --prompt "def main():" --max-new-tokens 64
+    python examples/generate.py                          # the shipped checkpoint, checkpoints/kda-hybrid-stdlib
+    python examples/generate.py --prompt "class Stack:" --max-new-tokens 96 --greedy
+    python examples/generate.py --model path/or/repo     # any kda_hybrid checkpoint or Hub repo
+    python examples/generate.py --random                 # a fresh 6.5M-parameter model (random weights)
 
-With --model, the checkpoint is loaded through AutoModelForCausalLM(trust_remote_code=True), exactly as a
-user without this package installed would load it. Prints the text, tokens/s, and the cache memory report
-beside what an all-full-attention model of the same shape would hold for the same tokens.
+A checkpoint is loaded through AutoModelForCausalLM(trust_remote_code=True), exactly as a user without this
+package installed would load it, with its own tokenizer; sampling follows the checkpoint's generation_config
+unless --greedy. Prints the text, tokens/s, and the cache memory report beside what an all-full-attention
+model of the same shape would hold for the same tokens.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import time
 from pathlib import Path
 
 import torch
+
+DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "checkpoints" / "kda-hybrid-stdlib"
 
 
 def full_attention_bytes(config, tokens: int, batch: int = 1, dtype_bytes: int = 4) -> int:
@@ -37,10 +42,11 @@ def fmt(n: int) -> str:
 def load(args):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if args.model:
-        model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=True, dtype=torch.float32)
+    if not args.random:
+        path = args.model or DEFAULT_MODEL
+        model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=torch.float32)
         try:
-            tokenizer = AutoTokenizer.from_pretrained(args.model)
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=True)
         except (OSError, ValueError):
             tokenizer = None
         return model.eval(), tokenizer
@@ -55,11 +61,12 @@ def load(args):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="checkpoint folder or Hub repo id (default: a fresh random 6.5M model)")
-    p.add_argument("--prompt", default="The meaning of life is")
+    p.add_argument("--model", help=f"checkpoint folder or Hub repo id (default: {DEFAULT_MODEL.name} of this repo)")
+    p.add_argument("--random", action="store_true", help="a fresh random 6.5M model instead of a checkpoint")
+    p.add_argument("--prompt", default="def fibonacci(n):")
     p.add_argument("--prompt-tokens", type=int, default=64, help="random prompt length when there is no tokenizer")
-    p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--sample", action="store_true", help="sample (top-p 0.9, temperature 0.8) instead of greedy")
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--greedy", action="store_true", help="greedy decoding instead of the generation_config's sampling")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args()
@@ -78,15 +85,20 @@ def main():
     print(f"model: {n_params / 1e6:.2f}M parameters, layers {pattern} (k = KDA, A = {cfg.attention_type.upper()})")
 
     torch.manual_seed(args.seed)
-    kw = dict(do_sample=True, top_p=0.9, temperature=0.8) if args.sample else dict(do_sample=False)
+    kw = dict(max_new_tokens=args.max_new_tokens, return_dict_in_generate=True, pad_token_id=cfg.pad_token_id)
+    if args.greedy:
+        kw.update(do_sample=False, temperature=None, top_p=None, top_k=None, repetition_penalty=None)
+    if tokenizer is None:  # random weights: no end of text to stop at, so a fixed length to time
+        kw["min_new_tokens"] = args.max_new_tokens
     t0 = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(input_ids, max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens,
-                             return_dict_in_generate=True, pad_token_id=cfg.pad_token_id, **kw)
+        out = model.generate(input_ids, **kw)
     dt = time.perf_counter() - t0
     new = out.sequences[0, input_ids.shape[1]:]
-    text = tokenizer.decode(new, skip_special_tokens=True) if tokenizer is not None else new.tolist()
-    print(f"\n{args.prompt if tokenizer is not None else 'prompt token ids ...'} -> {text}\n")
+    if tokenizer is not None:
+        print("\n" + tokenizer.decode(out.sequences[0], skip_special_tokens=True) + "\n")
+    else:
+        print(f"\nprompt token ids ... -> {new.tolist()}\n")
     print(f"{len(new)} new tokens in {dt:.2f} s = {len(new) / dt:.1f} tokens/s (prefill of {input_ids.shape[1]} "
           "included)")
 

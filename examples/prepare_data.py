@@ -103,7 +103,7 @@ def prepare(out: Path, source: Path | None = None, pattern: str = "**/*.py", tok
     if tokenizer_path:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=True)
     else:
         tokenizer = train_tokenizer(splits["train"], vocab_size)
     out.mkdir(parents=True, exist_ok=True)

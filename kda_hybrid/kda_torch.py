@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 L2NORM_EPS = 1e-6  # inside the sqrt, as fla's and the original kernels do
 CHUNK_SIZE = 64  # tokens per chunk; must be a power of two for the hierarchical gated products
+GROUP_TOKENS = 512  # tokens per group of chunks (see _chunk_fwd_grouped); a multiple of CHUNK_SIZE
 
 
 def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS, scale: float = 1.0) -> torch.Tensor:
@@ -248,6 +249,22 @@ def _chunk_fwd(q, k, v, g, beta, state, chunk_size):
     return o.view(B, H, N, C, V).permute(0, 2, 3, 1, 4).reshape(B, T, H, V), state.unflatten(0, (B, H))
 
 
+def _chunk_fwd_grouped(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, state, chunk_size):
+    """Chunked KDA over raw inputs (T a multiple of chunk_size), GROUP_TOKENS at a time with the state carried
+    across groups. Every group is batched over its chunks and heads; the grouping only keeps the working set
+    (about 20 tensors of GROUP_TOKENS x H x 128 fp32) in cache: at T=4096, H=4, K=V=128 on one CPU thread,
+    groups of 512 tokens took 118 ms (median; 75 ms best) against 181 ms (136 ms) for all 64 chunks at once,
+    256 and 1024 about as well as 512 (measured interleaved in one process, /tmp-style A/B, loaded machine)."""
+    T = q.shape[1]
+    outs = []
+    for t0 in range(0, T, GROUP_TOKENS):
+        sl = slice(t0, t0 + GROUP_TOKENS)
+        xs = _prepare(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], scale, use_qk_l2norm_in_kernel)
+        o, state = _chunk_fwd(*xs, state, chunk_size)
+        outs.append(o)
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), state
+
+
 def chunk_kda_torch(
     q, k, v, g, beta, scale, initial_state=None, output_final_state=False,
     use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_size=CHUNK_SIZE,
@@ -258,7 +275,6 @@ def chunk_kda_torch(
     with k = v = 0, g = 0, beta = 0, which leaves the state untouched, so final states are exact.
     """
     dtype = v.dtype
-    q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
     B, T, H, K = q.shape
     V = v.shape[-1]
     if cu_seqlens is not None:
@@ -270,8 +286,8 @@ def chunk_kda_torch(
             for x in (q, k, v, g, beta)
         ]
         N = len(spans)
-        state = q.new_zeros(N, H, K, V) if initial_state is None else initial_state.float()
-        o, state = _chunk_fwd(*xs, state, chunk_size)
+        state = q.new_zeros(N, H, K, V, dtype=torch.float32) if initial_state is None else initial_state.float()
+        o, state = _chunk_fwd_grouped(*xs, scale, use_qk_l2norm_in_kernel, state, chunk_size)
         o = torch.cat([o[i, : e - b] for i, (b, e) in enumerate(spans)]).unsqueeze(0)
         return o.to(dtype), (state if output_final_state else None)
 
@@ -279,6 +295,6 @@ def chunk_kda_torch(
     if pad:
         q, k, v, g = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
         beta = F.pad(beta, (0, 0, 0, pad))
-    state = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.float()
-    o, state = _chunk_fwd(q, k, v, g, beta, state, chunk_size)
+    state = q.new_zeros(B, H, K, V, dtype=torch.float32) if initial_state is None else initial_state.float()
+    o, state = _chunk_fwd_grouped(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, state, chunk_size)
     return o[:, :T].to(dtype), (state if output_final_state else None)

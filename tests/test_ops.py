@@ -88,6 +88,19 @@ def test_strong_decay_is_finite_and_exact(gate):
     assert_close_rel(s, s_ref)
 
 
+def test_state_carried_across_groups_of_chunks():
+    """Longer than one group of chunks (kda_torch.GROUP_TOKENS): the state crosses group boundaries."""
+    from kda_hybrid import kda_torch
+
+    T = 2 * kda_torch.GROUP_TOKENS + 77
+    q, k, v, g, beta, h0 = make_inputs(1, T, 2, 8, 8, init_state=True)
+    kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o, s = chunk_kda(q, k, v, g, beta, backend="torch", **kw)
+    o_ref, s_ref = chunk_kda(q, k, v, g, beta, backend="reference", **kw)
+    assert_close_rel(o, o_ref)
+    assert_close_rel(s, s_ref)
+
+
 def test_mixed_decay_takes_hierarchical_path():
     """One channel with huge decay forces the anchored hierarchy; the others keep ordinary decay."""
     q, k, v, g, beta, _ = make_inputs(1, 200, 2, 32, 32)

@@ -5,7 +5,8 @@ transformers' native torch fallbacks. fp32, 1 thread, B=1, H=4, K=V=128.
     python benchmarks/bench_ops.py --T 1024 --repeats 3 --no-memory
 
 Prints medians, ratios against the fastest anchor, our GFLOP/s against the machine's measured fp32 matmul
-rate, and peak extra memory (each measured in a fresh subprocess: RSS high-water mark minus the inputs).
+rate, and peak extra memory of one forward (each in a fresh subprocess: RSS high-water mark minus the RSS
+before the call).
 """
 
 from __future__ import annotations
@@ -118,24 +119,30 @@ def time_all(T, repeats, which):
 
 
 def peak_memory(name, T, backward):
-    """Peak extra RSS (bytes) of one call in a fresh process."""
+    """Peak extra RSS (bytes) of one call, in a fresh process: the kernel's high-water mark (VmHWM, reset
+    through /proc/self/clear_refs just before the call) minus the resident size before it."""
     code = f"""
-import json, resource, sys, torch
+import json, re, sys, torch
 sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
 torch.set_num_threads(1)
 import bench_ops as b
+def status(key):
+    return int(re.search(key + r":\\s+(\\d+)", open("/proc/self/status").read()).group(1)) * 1024
 impl = b.implementations()[{name!r}][0]
 xs = b.inputs({T}, requires_grad={backward})
 warm = b.inputs(64, requires_grad={backward})
 out = impl(*warm)
 if {backward}: out.sum().backward()
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+del out
+open("/proc/self/clear_refs", "w").write("5")
+base = status("VmRSS")
 out = impl(*xs)
 if {backward}: out.sum().backward()
-print(json.dumps((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024))
+print(json.dumps(status("VmHWM") - base))
 """
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     if res.returncode:
+        print(f"# memory probe for {name} failed: {res.stderr[-300:]}", file=sys.stderr)
         return None
     return int(res.stdout.strip().splitlines()[-1])
 

@@ -174,7 +174,8 @@ def save_final(accelerator, model, args, out: Path):
 
 @torch.no_grad()
 def evaluate(accelerator, model, val_tokens, args, bos_id) -> tuple[float, int]:
-    """Mean validation loss over every full row of val.bin (or the first --eval-rows), rows split over ranks."""
+    """Mean validation loss over every full row of val.bin (or the first --eval-rows), rows split over ranks, in
+    fp32 whatever --mixed-precision says."""
     model.eval()
     n = num_rows(val_tokens, args.seq_len)
     n = min(n, args.eval_rows) if args.eval_rows else n
@@ -182,8 +183,7 @@ def evaluate(accelerator, model, val_tokens, args, bos_id) -> tuple[float, int]:
     mine = list(range(accelerator.process_index, n, accelerator.num_processes))
     for i in range(0, len(mine), args.micro_batch_size):
         batch = make_batch(val_tokens, mine[i:i + args.micro_batch_size], args.seq_len, bos_id)
-        with accelerator.autocast():
-            total[0] += loss_sum(model, batch).double().item()
+        total[0] += loss_sum(model, batch).double().item()  # fp32 weights, no autocast: the exact figure
         total[1] += target_count(batch)
     total = accelerator.reduce(total.to(accelerator.device), "sum").cpu()
     model.train()
@@ -206,8 +206,10 @@ def main(argv=None) -> dict:
 
     mixed = args.mixed_precision
     if mixed == "auto":
-        mixed = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
-    accelerator = Accelerator(mixed_precision=mixed, cpu=args.cpu)
+        mixed = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() and not args.cpu else "no"
+    # Autocast here rather than Accelerator(mixed_precision=...), which wraps forward for evaluation too; weights,
+    # gradients and optimizer state stay fp32, and validation runs in fp32.
+    accelerator = Accelerator(mixed_precision="no", cpu=args.cpu)
     set_seed(args.seed)
     world, rank = accelerator.num_processes, accelerator.process_index
     if args.batch_size % (world * args.micro_batch_size):
@@ -222,7 +224,10 @@ def main(argv=None) -> dict:
 
     model = build_model(args, meta)
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2 name
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95),
@@ -279,7 +284,7 @@ def main(argv=None) -> dict:
             batch = {k: v.to(accelerator.device) for k, v in batch.items()}
             sync = accelerator.no_sync(model) if j < len(micro) - 1 else contextlib.nullcontext()
             with sync:
-                with accelerator.autocast():
+                with torch.autocast(accelerator.device.type, dtype=torch.bfloat16, enabled=mixed == "bf16"):
                     s = loss_sum(model, batch)
                 # DDP/FSDP average gradients over processes; times `world` makes that the global-batch mean
                 accelerator.backward(s * (world / global_targets))
@@ -328,8 +333,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument("--mixed-precision", choices=("auto", "no", "bf16", "fp16"), default="auto",
-                   help="autocast dtype; auto: bf16 on GPUs that support it, else fp32")
+    p.add_argument("--mixed-precision", choices=("auto", "no", "bf16"), default="auto",
+                   help="bf16 autocast for training forwards; auto: on GPUs that support bf16, else fp32")
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--eval-every", type=int, default=100, help="validation every N steps and at the end (0: never)")
     p.add_argument("--eval-rows", type=int, default=0, help="validate on the first N rows only (0: all)")

@@ -109,6 +109,14 @@ def test_resume_equals_uninterrupted(data, single_run, tmp_path):
     assert train_losses(tmp_path) == train_losses(single_run)  # the log holds each step once
 
 
+def test_bf16_autocast_trains(data, tmp_path):
+    """--mixed-precision bf16 (CPU autocast here; the default on GPUs with bf16): finite losses, fp32 validation."""
+    result = train.main(train_args(data, tmp_path, "--mixed-precision", "bf16", "--steps", "2", "--eval-every", "2"))
+    losses = [r["loss"] for r in result["log"] if "loss" in r]
+    assert len(losses) == 2 and np.isfinite(losses).all()
+    assert np.isfinite([r["val_loss"] for r in result["log"] if "val_loss" in r]).all()
+
+
 def test_final_checkpoint_loads_with_remote_code(single_run):
     """final/ is a self-contained folder: AutoModelForCausalLM (trust_remote_code) + its tokenizer generate."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

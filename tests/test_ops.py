@@ -124,6 +124,21 @@ def test_low_precision_inputs_compute_in_fp32(dtype):
     torch.testing.assert_close(o, o_ref.to(dtype))
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_cpu_bf16_autocast_keeps_fp32_recurrence(grad):
+    """Under autocast the ops still compute in fp32 (training with bf16 autocast calls them)."""
+    q, k, v, g, beta, h0 = make_inputs(1, 100, 2, 16, 16, init_state=True, requires_grad=grad)
+    o_ref, s_ref = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, backend="reference")
+    with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.bfloat16):
+        o, s = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, backend="torch")
+        o1, s1 = fused_recurrent_kda(q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1], initial_state=h0,
+                                     output_final_state=True, backend="torch")
+    assert o.dtype == s.dtype == torch.float32
+    assert_close_rel(o, o_ref)
+    assert_close_rel(s, s_ref)
+    assert_close_rel(o1, o_ref[:, :1])
+
+
 @pytest.mark.parametrize("backend", ["torch", "reference"])
 @pytest.mark.parametrize("lens", [(5, 64, 70), (1, 1, 130), (200,)], ids=lambda l: "-".join(map(str, l)))
 def test_varlen_equals_per_sequence(lens, backend):

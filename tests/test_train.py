@@ -131,6 +131,25 @@ def test_final_checkpoint_loads_with_remote_code(single_run):
     assert model.generation_config.do_sample and model.generation_config.eos_token_id == tokenizer.eos_token_id
 
 
+def test_shipped_checkpoint_generates_python():
+    """checkpoints/kda-hybrid-stdlib loads as a user loads it (remote code, its own tokenizer) and is trained:
+    its loss on a stdlib-style snippet is far below a uniform guess over the vocabulary (ln 2048 = 7.6)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = REPO / "checkpoints" / "kda-hybrid-stdlib"
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+    assert model.config.model_type == "kda_hybrid" and len(tokenizer) == model.config.vocab_size == 2048
+    assert model.model.layers[0].self_attn.A_log.dtype == torch.float32
+    snippet = "import os\n\n\ndef main(self, path):\n    if not os.path.exists(path):\n        return None\n"
+    ids = tokenizer(snippet, return_tensors="pt").input_ids
+    with torch.no_grad():
+        loss = float(model(ids, labels=ids).loss)
+        out = model.generate(ids[:, :4], max_new_tokens=8, do_sample=False)
+    assert loss < 5.0, loss  # measured 3.96; an untrained model gives 7.6
+    assert out.shape == (1, 12)
+
+
 def tiny_model(vocab_size: int, seed: int = 0) -> KDAHybridForCausalLM:
     torch.manual_seed(seed)
     config = KDAHybridConfig(**{**TINY, "vocab_size": vocab_size, "intermediate_size": 64, "pad_token_id": 0,

@@ -49,7 +49,7 @@ def data(tmp_path_factory) -> Path:
 def train_args(data: Path, out: Path, *extra: str) -> list[str]:
     return ["--data", str(data), "--out", str(out), "--config-json", json.dumps(TINY), "--steps", "3",
             "--seq-len", str(SEQ_LEN), "--batch-size", "8", "--micro-batch-size", "2", "--lr", "3e-3",
-            "--warmup", "1", "--eval-every", "3", "--mixed-precision", "no", "--cpu", "--threads", "1", *extra]
+            "--warmup", "1", "--eval-every", "3", "--mixed-precision", "no", "--cpu", *extra]
 
 
 def final_params(out: Path) -> dict[str, torch.Tensor]:
@@ -80,7 +80,7 @@ def test_two_processes_equal_one(data, single_run, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(REPO / "examples" / "train.py"),
-           *train_args(data, tmp_path, "--gradient-checkpointing")]
+           *train_args(data, tmp_path, "--gradient-checkpointing", "--threads", "1")]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
     assert "2 process(es)" in run.stdout + run.stderr

@@ -33,6 +33,15 @@ SEQ_LEN = 48
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "kv_a_proj_with_mqa", "kv_b_proj"]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny models: one thread is as fast, and on a shared machine far steadier; restored for other modules."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
     """200 small Python-like files (15 to 180 tokens, so rows of 48 hold several documents and documents cross

@@ -36,6 +36,9 @@ setup(
             # independent oracles: fla's naive KDA (plain torch) and transformers' native kimi_linear
             "flash-linear-attention==0.6.*",
             "einops",
+            "peft>=0.21",  # LoRA fine-tuning test (tests/test_train.py)
+            "accelerate>=1.0",
+            "matplotlib",  # training report and long-context plots
         ],
         "bench": ["matplotlib", "psutil"],
     },

@@ -159,6 +159,17 @@ def test_shipped_checkpoint_generates_python():
     assert out.shape == (1, 12)
 
 
+def test_shipped_checkpoint_code_is_the_package_code():
+    """The checkpoint carries copies of the flat modules (trust_remote_code runs them): they must be today's."""
+    import kda_hybrid
+    from kda_hybrid.model_card_kda_hybrid import _carried_modules
+
+    folder = REPO / "checkpoints" / "kda-hybrid-stdlib"
+    package = Path(kda_hybrid.__file__).parent
+    stale = [m for m in _carried_modules() if (folder / m).read_bytes() != (package / m).read_bytes()]
+    assert not stale, "refresh with: cp " + " ".join(f"kda_hybrid/{m}" for m in stale) + f" {folder}"
+
+
 def tiny_model(vocab_size: int, seed: int = 0) -> KDAHybridForCausalLM:
     torch.manual_seed(seed)
     config = KDAHybridConfig(**{**TINY, "vocab_size": vocab_size, "intermediate_size": 64, "pad_token_id": 0,

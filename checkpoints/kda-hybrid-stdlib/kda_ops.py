@@ -109,6 +109,10 @@ def _resolve(backend: str, device: torch.device) -> str:
     return backend
 
 
+def _no_autocast(device: torch.device):
+    return torch.autocast(device_type=device.type, enabled=False)
+
+
 def _triton_interpreted() -> bool:
     import os
 
@@ -134,11 +138,12 @@ def chunk_kda(
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     args = (q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
     backend = _resolve(backend, q.device)
-    if backend == "reference":
-        return recurrent_kda_reference(*args)
-    if backend == "triton":
-        return chunk_kda_triton(*args)
-    return chunk_kda_torch(*args)
+    with _no_autocast(q.device):  # the recurrence is computed in fp32 whatever autocast would pick
+        if backend == "reference":
+            return recurrent_kda_reference(*args)
+        if backend == "triton":
+            return chunk_kda_triton(*args)
+        return chunk_kda_torch(*args)
 
 
 def fused_recurrent_kda(
@@ -173,8 +178,9 @@ def _fused_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, outpu
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     args = (q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
     backend = _resolve(backend, q.device)
-    if backend == "reference":
-        return recurrent_kda_reference(*args)
-    if backend == "triton":
-        return fused_recurrent_kda_triton(*args, inplace_final_state=inplace_final_state)
-    return fused_recurrent_kda_torch(*args, inplace_final_state=inplace_final_state)
+    with _no_autocast(q.device):
+        if backend == "reference":
+            return recurrent_kda_reference(*args)
+        if backend == "triton":
+            return fused_recurrent_kda_triton(*args, inplace_final_state=inplace_final_state)
+        return fused_recurrent_kda_torch(*args, inplace_final_state=inplace_final_state)

@@ -24,8 +24,22 @@ _PLACEHOLDER_SIGNS = (
     "<!-- Provide a quick summary of what the model is/does. -->",
 )
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float64": 8, "double": 8}
-_FLAT_MODULES = ("configuration_kda_hybrid.py", "modeling_kda_hybrid.py", "cache_kda_hybrid.py", "kda_ops.py",
-                 "kda_torch.py", "kda_triton.py", "model_card_kda_hybrid.py")
+def _carried_modules(entry: str = "modeling_kda_hybrid.py") -> tuple[str, ...]:
+    """The modules a checkpoint carries: the modeling file and every sibling it imports with `from .x import`,
+    recursively (what save_pretrained copies), read from this module's folder so the list never goes stale."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    found, todo = {"configuration_kda_hybrid.py"}, [entry]
+    while todo:
+        name = todo.pop()
+        if name in found or not os.path.exists(os.path.join(here, name)):
+            continue
+        found.add(name)
+        with open(os.path.join(here, name), encoding="utf-8") as f:
+            todo += [m + ".py" for m in re.findall(r"^\s*from \.(\w+) import", f.read(), flags=re.M)]
+    return tuple(sorted(found))
+
+
+_FLAT_MODULES = _carried_modules()
 
 
 def _dtype_name(dtype) -> str:

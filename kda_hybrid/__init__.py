@@ -5,6 +5,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 from .cache_kda_hybrid import KDAHybridCache
 from .configuration_kda_hybrid import KDAHybridConfig
 from .kda_ops import chunk_kda, fused_recurrent_kda, triton_available
+from .long_context import prefill
 from .modeling_kda_hybrid import KDAHybridForCausalLM, KDAHybridModel, KDAHybridPreTrainedModel
 
 __version__ = "0.1.0"
@@ -25,5 +26,6 @@ __all__ = [
     "KDAHybridPreTrainedModel",
     "chunk_kda",
     "fused_recurrent_kda",
+    "prefill",
     "triton_available",
 ]

@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .cache_kda_hybrid import KDALayerState, KVLayerState, _Segment, shift_conv_state
@@ -246,6 +247,28 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling, 
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
 
+def continuation_attention(query, key, value, scaling):
+    """T new queries over Tk = past + T keys without a [T, Tk] mask: every cached key is visible, the new keys
+    causally (lower-right alignment). query [B, H, T, D], key/value [B, H, Tk, D] -> [B, T, H, D].
+
+    With a cache, transformers' masks are [B, 1, T, Tk] booleans, and PyTorch's fused CPU attention turns them
+    into a float copy: 2.5 GiB per MLA layer for a 4096-token chunk at 128K context. On CPU, the fused kernel
+    runs twice instead (cached keys unmasked, new keys causal) and the halves merge by log-sum-exp: 128K-token
+    chunked prefill of the 6.5M model peaks at 1.4 GiB instead of 4.2 GiB, and 1.5x faster at 4096 x 128K."""
+    T, Tk = query.shape[2], key.shape[2]
+    past = Tk - T
+    if query.device.type == "cpu":
+        sdpa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        o_past, lse_past = sdpa(query, key[:, :, :past], value[:, :, :past], 0.0, False, scale=scaling)
+        o_new, lse_new = sdpa(query, key[:, :, past:], value[:, :, past:], 0.0, True, scale=scaling)
+        lse = torch.logaddexp(lse_past, lse_new)  # [B, H, T]
+        out = o_past.float() * (lse_past - lse).exp()[..., None] + o_new.float() * (lse_new - lse).exp()[..., None]
+        out = out.to(query.dtype)
+    else:  # CUDA: a lower-right causal bias dispatches to the fused kernels without materialising a mask
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=causal_lower_right(T, Tk), scale=scaling)
+    return out.transpose(1, 2)
+
+
 def _attention_interface(config) -> Callable:
     impl = config._attn_implementation or "eager"
     return eager_attention_forward if impl == "eager" else ALL_ATTENTION_FUNCTIONS[impl]
@@ -304,10 +327,13 @@ class KDAHybridMLAttention(nn.Module):
             # PyTorch's fused (flash) SDPA needs equal q/k and v head dims; otherwise it falls back to the math
             # path that materialises T x T scores: 7.5x slower at T=4096 on CPU. Zero-padding v costs less.
             v = F.pad(v, (0, pad))
-        out, _ = _attention_interface(self.config)(
-            self, q, k, v, attention_mask, dropout=self.config.attention_dropout if self.training else 0.0,
-            scaling=self.scaling, **kwargs,
-        )
+        dropout = self.config.attention_dropout if self.training else 0.0
+        if attention_mask is None and Tk > T and self.config._attn_implementation == "sdpa" and not dropout:
+            out = continuation_attention(q, k, v, self.scaling)  # chunked prefill on a cache, no padding
+        else:
+            out, _ = _attention_interface(self.config)(
+                self, q, k, v, attention_mask, dropout=dropout, scaling=self.scaling, **kwargs,
+            )
         return self.o_proj(out[..., : self.v_head_dim].reshape(B, T, -1))
 
     def _absorbed(self, q, latent, k_rot, attention_mask):

@@ -192,8 +192,15 @@ class KDAHybridModel(KDAHybridPreTrainedModel):
             step = attention_mask[:, -T:].bool()
             if not bool(step.all()):
                 token_mask = step
+        # Chunked prefill on a cache without padding: MLA layers attend with continuation_attention and need no
+        # [T, past + T] mask (at 128K context, building one costs GiBs)
+        plain_continuation = (
+            past > 0 and T > 1 and cu_seqlens is None and self.config.attention_type == "mla"
+            and self.config._attn_implementation == "sdpa"
+            and (attention_mask is None or (attention_mask.dim() == 2 and bool(attention_mask.all())))
+        )
         causal_mask = None
-        if self.config.full_attention_layers:
+        if self.config.full_attention_layers and not plain_continuation:
             causal_mask = create_causal_mask(
                 config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=cache,
                 position_ids=position_ids,

@@ -77,14 +77,16 @@ def test_greedy_with_cache_equals_without(attention, moe):
     torch.testing.assert_close(torch.stack(out.logits, 1), full, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("chunk", [7, 24], ids=["chunk7-latent", "chunk24-continuation"])
 @pytest.mark.parametrize("attention,moe", VARIANTS[:1] + VARIANTS[3:])
-def test_prefill_in_chunks_of_7_equals_one_prefill(attention, moe):
+def test_prefill_in_chunks_equals_one_prefill(attention, moe, chunk):
+    """Chunks of 7 take MLA's latent (absorbed) path, chunks of 24 its mask-free continuation attention."""
     model = tiny_model(attention, moe)
     ids = prompt(T=40)
     with torch.no_grad():
         one = model(ids, use_cache=True)
         cache = KDAHybridCache(model.config)
-        logits = [model(ids[:, i : i + 7], cache=cache).logits for i in range(0, 40, 7)]
+        logits = [model(ids[:, i : i + chunk], cache=cache).logits for i in range(0, 40, chunk)]
     torch.testing.assert_close(torch.cat(logits, 1), one.logits, rtol=1e-4, atol=1e-5)
     for (c1, s1), (c2, s2) in zip(kda_states(cache), kda_states(one.cache)):
         torch.testing.assert_close(s1, s2, rtol=1e-5, atol=1e-6)
@@ -449,11 +451,17 @@ def test_kimi_linear_config_keys_build_the_same_architecture():
     assert abs(params / 1e9 - 49.1) < 0.1  # the checkpoint holds 49.1B parameters
 
 
-def test_generate_with_prefill_chunk_size_equals_one_shot():
-    """transformers' chunked prefill runs the prompt through the cache 16 tokens at a time."""
-    model = tiny_model("gqa", True)
+@pytest.mark.parametrize("attention", ["mla", "gqa"])
+def test_generate_with_prefill_chunk_size_equals_one_shot(attention):
+    """transformers' chunked prefill runs the prompt through the cache 20 tokens at a time, left padding too."""
+    model = tiny_model(attention, True)
     ids = prompt(B=1, T=50)
-    assert torch.equal(greedy(model, ids, prefill_chunk_size=16), greedy(model, ids))
+    assert torch.equal(greedy(model, ids, prefill_chunk_size=20), greedy(model, ids))
+    padded = torch.cat([torch.zeros(1, 6, dtype=torch.long), ids], 1)
+    mask = (padded != 0).long()
+    mask[:, 6:] = 1
+    assert torch.equal(greedy(model, padded, attention_mask=mask, prefill_chunk_size=20)[:, 56:],
+                       greedy(model, ids)[:, 50:])
 
 
 @pytest.mark.parametrize("attention,moe", [VARIANTS[1], VARIANTS[2]])

@@ -17,7 +17,7 @@ from transformers import pipeline
 from transformers.dynamic_module_utils import get_imports, get_relative_import_files
 
 import kda_hybrid
-from kda_hybrid import KDAHybridCache, KDAHybridConfig, KDAHybridForCausalLM
+from kda_hybrid import KDAHybridCache, KDAHybridConfig
 from kda_hybrid.model_card_kda_hybrid import GENERATED_MARKER, cache_bytes, model_card, write_model_card
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -44,15 +44,8 @@ def tiny_config(attention="mla", moe=True, **over):
 
 
 def tiny_model(attention="mla", moe=True, seed=0):
-    torch.manual_seed(seed)
-    model = KDAHybridForCausalLM(tiny_config(attention, moe)).eval()
-    with torch.no_grad():  # non-default norms and router biases, so every parameter must survive the round trip
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-            elif name.endswith("e_score_correction_bias"):
-                p.normal_(0, 0.1)
-    return model
+    """Non-default norms and router biases (test_model.tiny_model), so every parameter must survive the trip."""
+    return model_tests.tiny_model(attention, moe, seed, vocab_size=VOCAB_SIZE, eos_token_id=EOS_ID)
 
 
 # --------------------------------------------------------------------------------------------------

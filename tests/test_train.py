@@ -160,14 +160,15 @@ def test_shipped_checkpoint_generates_python():
 
 
 def test_shipped_checkpoint_code_is_the_package_code():
-    """The checkpoint carries copies of the flat modules (trust_remote_code runs them): they must be today's."""
+    """The checkpoint carries the flat modules trust_remote_code runs as links to the package's own files (one
+    copy of the code in the repo, never stale); every module the modeling file needs must be there."""
     import kda_hybrid
     from kda_hybrid.model_card_kda_hybrid import _carried_modules
 
     folder = REPO / "checkpoints" / "kda-hybrid-stdlib"
     package = Path(kda_hybrid.__file__).parent
-    stale = [m for m in _carried_modules() if (folder / m).read_bytes() != (package / m).read_bytes()]
-    assert not stale, "refresh with: cp " + " ".join(f"kda_hybrid/{m}" for m in stale) + f" {folder}"
+    wrong = [m for m in _carried_modules() if (folder / m).resolve() != (package / m).resolve()]
+    assert not wrong, f"not links to the package's modules: {wrong} (ln -s ../../kda_hybrid/<module> {folder})"
 
 
 def tiny_model(vocab_size: int, seed: int = 0) -> KDAHybridForCausalLM:

@@ -135,15 +135,20 @@ def chunk_kda(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked Kimi Delta Attention (prefill and training). Returns (o [B, T, H, V], final state or None)."""
     _check(q, k, v, g, beta, scale, initial_state, cu_seqlens, backend)
+    impls = {"reference": recurrent_kda_reference, "triton": chunk_kda_triton, "torch": chunk_kda_torch}
+    return _dispatch(impls, backend, q, k, v, g, beta, scale, initial_state, output_final_state,
+                     use_qk_l2norm_in_kernel, cu_seqlens)
+
+
+def _dispatch(impls, backend, q, k, v, g, beta, scale, *rest, **extra):
+    """Default the scale, pick the backend for q's device and run it with autocast off (the recurrence is
+    computed in fp32 whatever autocast would pick). `extra` goes to the torch and triton implementations."""
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    args = (q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
     backend = _resolve(backend, q.device)
-    with _no_autocast(q.device):  # the recurrence is computed in fp32 whatever autocast would pick
+    with _no_autocast(q.device):
         if backend == "reference":
-            return recurrent_kda_reference(*args)
-        if backend == "triton":
-            return chunk_kda_triton(*args)
-        return chunk_kda_torch(*args)
+            return impls["reference"](q, k, v, g, beta, scale, *rest)
+        return impls[backend](q, k, v, g, beta, scale, *rest, **extra)
 
 
 def fused_recurrent_kda(
@@ -175,12 +180,7 @@ def _fused_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, outpu
                          use_qk_l2norm_in_kernel=False, cu_seqlens=None, backend="auto", inplace_final_state=False):
     """fused_recurrent_kda without the input checks, for callers that build their inputs (the model's decode
     step, where the ~20 checks cost as much as the step's recurrence on CPU)."""
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    args = (q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
-    backend = _resolve(backend, q.device)
-    with _no_autocast(q.device):
-        if backend == "reference":
-            return recurrent_kda_reference(*args)
-        if backend == "triton":
-            return fused_recurrent_kda_triton(*args, inplace_final_state=inplace_final_state)
-        return fused_recurrent_kda_torch(*args, inplace_final_state=inplace_final_state)
+    impls = {"reference": recurrent_kda_reference, "triton": fused_recurrent_kda_triton,
+             "torch": fused_recurrent_kda_torch}
+    return _dispatch(impls, backend, q, k, v, g, beta, scale, initial_state, output_final_state,
+                     use_qk_l2norm_in_kernel, cu_seqlens, inplace_final_state=inplace_final_state)

@@ -5,7 +5,8 @@
     python examples/train.py --data data/stdlib --out runs/full --steps 600 --all-attention   # the twin
     python examples/train.py --data data/mine --model checkpoints/kda-hybrid-stdlib --out runs/ft --lr 3e-4
     torchrun --nproc_per_node 2 examples/train.py ...                 # DDP (gloo on CPU, nccl on GPU)
-    accelerate launch --use_fsdp ... examples/train.py ...           # FSDP, or any `accelerate config`
+    torchrun --nproc_per_node 2 examples/train.py --fsdp ...          # FSDP2 (torch fully_shard), CPU or GPU
+    accelerate launch --use_fsdp ... examples/train.py ...           # accelerate's FSDP (GPU), any `accelerate config`
 
 Batches: the token stream of `--data` (documents as <|bos|> text <|eos|>, see prepare_data.py) is cut into rows of
 `--seq-len` tokens; a row holds several documents end to end, marked by position_ids that restart at 0 at every
@@ -18,9 +19,15 @@ of target tokens in the whole global batch, counted from the data on every proce
 any accumulation give the same gradient (up to float summation order). The learning-rate schedule is a
 function of the step (warmup then cosine), so resuming needs only the step.
 
+`--fsdp` shards parameters, gradients and optimizer state over the processes with torch's FSDP2 (`fully_shard`:
+one unit per decoder layer, the embeddings, final norm and head in the root unit); it needs a distributed launch
+(torchrun), works on CPU (gloo) and GPU (nccl), and its checkpoints are sharded (torch.distributed.checkpoint).
+Without it, the model goes through `accelerator.prepare`: DDP, or whatever `accelerate config` chose.
+
 Outputs in `--out`: `log.jsonl` (train loss every step, validation loss/perplexity every `--eval-every`),
 `checkpoint/` (model + optimizer, every `--save-every` steps and at the end, for `--resume`) and `final/`
-(save_pretrained: safetensors in `--save-dtype`, remote code, tokenizer, generation_config).
+(save_pretrained: safetensors in `--save-dtype`, remote code, tokenizer, generation_config; a full, unsharded
+state dict also after FSDP).
 """
 
 from __future__ import annotations
@@ -146,15 +153,74 @@ def param_groups(model, weight_decay: float):
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def save_final(accelerator, model, args, out: Path):
+# ------------------------------------------------------------------------------------------------------
+# FSDP2 (--fsdp): torch.distributed.fsdp.fully_shard, sharded checkpoints through torch.distributed.checkpoint
+# ------------------------------------------------------------------------------------------------------
+
+
+def shard_model(model, accelerator):
+    """fully_shard each block the model names in `_no_split_modules` (the decoder layers), then the root (embeddings,
+    final norm, head). Forward and backward all-gather one layer at a time; gradients are reduce-scattered (averaged
+    over processes, as DDP does) and AdamW then keeps only its shard of the moments."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("--fsdp needs a distributed launch (torchrun --nproc_per_node N examples/train.py --fsdp ...); "
+                         "this is a single process")
+    if accelerator.distributed_type.name == "FSDP":
+        raise ValueError("--fsdp and an accelerate FSDP config both shard the model: use one of them")
+    model.to(accelerator.device)
+    mesh = init_device_mesh(accelerator.device.type, (accelerator.num_processes,))
+    blocks = set(getattr(model, "_no_split_modules", None) or ())
+    units = [m for m in model.modules() if type(m).__name__ in blocks]
+    if not units:
+        raise ValueError(f"--fsdp: no module of the classes in {type(model).__name__}._no_split_modules={blocks}")
+    for unit in units:
+        fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def save_sharded(model, optimizer, path: Path):
+    """Every process writes its shards of the model and of the optimizer state (collective)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(path))
+
+
+def load_sharded(model, optimizer, path: Path):
+    """Reads a save_sharded checkpoint back into the sharded model and optimizer (collective; any world size)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optim_state}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def full_state_dict(accelerator, model, fsdp: bool) -> dict[str, torch.Tensor]:
+    """The whole, unsharded state dict on the main process (collective under FSDP; others get an empty dict)."""
+    if not fsdp:
+        return accelerator.get_state_dict(model)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def save_final(accelerator, model, model_cls, args, out: Path):
     """save_pretrained of the trained weights (full state dict, also under FSDP), tokenizer, generation config."""
     from transformers import AutoTokenizer, GenerationConfig
 
-    state = accelerator.get_state_dict(model)
+    state = full_state_dict(accelerator, model, args.fsdp)
     if not accelerator.is_main_process:
         return
     unwrapped = accelerator.unwrap_model(model)
-    fresh = type(unwrapped)(unwrapped.config)
+    fresh = model_cls(unwrapped.config)  # the model's own class: fully_shard swaps in an FSDP subclass
     fresh.load_state_dict({k: v.float() for k, v in state.items()})
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.save_dtype]
     fresh.to(dtype)  # A_log and dt_bias stay fp32 (the model keeps them so through .to)
@@ -175,19 +241,35 @@ def save_final(accelerator, model, args, out: Path):
 @torch.no_grad()
 def evaluate(accelerator, model, val_tokens, args, bos_id) -> tuple[float, int]:
     """Mean validation loss over every full row of val.bin (or the first --eval-rows), rows split over ranks, in
-    fp32 whatever --mixed-precision says."""
+    fp32 whatever --mixed-precision says. Under FSDP every forward is collective, so every process runs the same
+    number of them: one with no rows left forwards row 0 and drops the result."""
     model.eval()
     n = num_rows(val_tokens, args.seq_len)
     n = min(n, args.eval_rows) if args.eval_rows else n
     total = torch.zeros(2, dtype=torch.float64)
-    mine = list(range(accelerator.process_index, n, accelerator.num_processes))
-    for i in range(0, len(mine), args.micro_batch_size):
-        batch = make_batch(val_tokens, mine[i:i + args.micro_batch_size], args.seq_len, bos_id)
-        total[0] += loss_sum(model, batch).double().item()  # fp32 weights, no autocast: the exact figure
-        total[1] += target_count(batch)
+    world = accelerator.num_processes
+    mine = list(range(accelerator.process_index, n, world))
+    mbs = args.micro_batch_size
+    forwards = math.ceil(math.ceil(n / world) / mbs) if args.fsdp else math.ceil(len(mine) / mbs)
+    for i in range(0, forwards * mbs, mbs):
+        rows = mine[i:i + mbs]
+        batch = make_batch(val_tokens, rows or [0], args.seq_len, bos_id)
+        batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+        s = loss_sum(model, batch).double().item()  # fp32 weights, no autocast: the exact figure
+        if rows:
+            total[0] += s
+            total[1] += target_count(batch)
     total = accelerator.reduce(total.to(accelerator.device), "sum").cpu()
     model.train()
     return float(total[0] / total[1]), int(total[1])
+
+
+def gradient_sync(accelerator, model, sync: bool, fsdp: bool):
+    """Reduce gradients over processes only on the last micro-batch of a step (accumulate locally before)."""
+    if fsdp:
+        model.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+    return contextlib.nullcontext() if sync else accelerator.no_sync(model)
 
 
 def read_log(path: Path, upto_step: int) -> list[dict]:
@@ -230,14 +312,21 @@ def main(argv=None) -> dict:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
+    model_cls = type(model)
+    if args.fsdp:
+        model = shard_model(model, accelerator)  # before the optimizer, which must hold the sharded parameters
     optimizer = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95),
                                   eps=1e-8)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    if not args.fsdp:
+        model, optimizer = accelerator.prepare(model, optimizer)
 
     ckpt = out / "checkpoint"
     start = 0
     if args.resume and (ckpt / "trainer_state.json").exists():
-        accelerator.load_state(str(ckpt))
+        if args.fsdp:
+            load_sharded(model, optimizer, ckpt)
+        else:
+            accelerator.load_state(str(ckpt))
         start = json.loads((ckpt / "trainer_state.json").read_text())["step"]
     log_path = out / "log.jsonl"
     log = read_log(log_path, start) if args.resume else []
@@ -245,8 +334,9 @@ def main(argv=None) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         log_path.write_text("".join(json.dumps(r) + "\n" for r in log))
         (out / "args.json").write_text(json.dumps(vars(args), indent=1) + "\n")
-        accelerator.print(f"{n_params / 1e6:.2f}M parameters, {world} process(es), {n_rows} rows of {args.seq_len}, "
-                          f"steps {start}..{args.steps}, mixed precision {mixed}")
+        engine = "FSDP2" if args.fsdp else accelerator.distributed_type.name
+        accelerator.print(f"{n_params / 1e6:.2f}M parameters, {world} process(es) ({engine}), {n_rows} rows of "
+                          f"{args.seq_len}, steps {start}..{args.steps}, mixed precision {mixed}")
 
     def write_log(record):
         log.append(record)
@@ -257,7 +347,14 @@ def main(argv=None) -> dict:
     def save_checkpoint(step):
         accelerator.wait_for_everyone()
         tmp = out / "checkpoint.tmp"
-        accelerator.save_state(str(tmp))
+        if accelerator.is_main_process and tmp.exists():
+            shutil.rmtree(tmp)  # left by a run killed while saving
+        accelerator.wait_for_everyone()
+        if args.fsdp:
+            save_sharded(model, optimizer, tmp)
+        else:
+            accelerator.save_state(str(tmp))
+        accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             (tmp / "trainer_state.json").write_text(json.dumps({"step": step}) + "\n")
             if ckpt.exists():
@@ -282,8 +379,7 @@ def main(argv=None) -> dict:
         for j, micro_rows in enumerate(micro):
             batch = make_batch(train_tokens, micro_rows, args.seq_len, bos_id)
             batch = {k: v.to(accelerator.device) for k, v in batch.items()}
-            sync = accelerator.no_sync(model) if j < len(micro) - 1 else contextlib.nullcontext()
-            with sync:
+            with gradient_sync(accelerator, model, j == len(micro) - 1, args.fsdp):
                 with torch.autocast(accelerator.device.type, dtype=torch.bfloat16, enabled=mixed == "bf16"):
                     s = loss_sum(model, batch)
                 # DDP/FSDP average gradients over processes; times `world` makes that the global-batch mean
@@ -312,7 +408,7 @@ def main(argv=None) -> dict:
             break
     bar.close()
     if step == args.steps:
-        save_final(accelerator, model, args, out / "final")
+        save_final(accelerator, model, model_cls, args, out / "final")
     accelerator.wait_for_everyone()
     return {"step": step, "log": log, "params": n_params}
 
@@ -336,6 +432,8 @@ def parse_args(argv=None):
     p.add_argument("--mixed-precision", choices=("auto", "no", "bf16"), default="auto",
                    help="bf16 autocast for training forwards; auto: on GPUs that support bf16, else fp32")
     p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--fsdp", action="store_true",
+                   help="shard parameters, gradients and optimizer state with torch FSDP2 (under torchrun)")
     p.add_argument("--eval-every", type=int, default=100, help="validation every N steps and at the end (0: never)")
     p.add_argument("--eval-rows", type=int, default=0, help="validate on the first N rows only (0: all)")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (always at the end)")

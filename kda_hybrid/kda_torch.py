@@ -265,30 +265,63 @@ def _chunk_fwd_grouped(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, state, 
     return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), state
 
 
+def _varlen_buckets(spans: list[tuple[int, int]], chunk_size: int) -> dict[int, list[int]]:
+    """Sequence indices by padded length: whole chunks, rounded up to a power of two of them. Each bucket runs as one
+    batch, so a sequence is padded to at most twice its chunk count and there are at most log2(T / chunk) + 1
+    batches, where one batch padded to the longest sequence could compute N x the tokens."""
+    buckets: dict[int, list[int]] = {}
+    for i, (b, e) in enumerate(spans):
+        n_chunks = max(1, -(-(e - b) // chunk_size))
+        buckets.setdefault(chunk_size << (n_chunks - 1).bit_length(), []).append(i)
+    return buckets
+
+
+def _chunk_varlen(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens, chunk_size):
+    """Packed sequences ([1, T, ...], offsets cu_seqlens) through _chunk_fwd_grouped: each bucket of
+    `_varlen_buckets` is gathered into a [n, L, ...] batch with one index per input (padding reads an appended
+    zero token: k = v = g = beta = 0 leaves the state untouched, so final states are exact) and the outputs
+    return to packed order with one index: a few index ops forward and backward, whatever the number of
+    sequences (slicing each sequence out costs one full-size zero fill per sequence in the backward)."""
+    T, H, K, V = q.shape[1], q.shape[2], q.shape[3], v.shape[-1]
+    spans = _split_varlen(cu_seqlens)
+    padded = [torch.cat((x[0], x.new_zeros(1, *x.shape[2:]))) for x in (q, k, v, g, beta)]  # row T = zero token
+    if initial_state is None:
+        initial_state = q.new_zeros(len(spans), H, K, V, dtype=torch.float32)
+    src = torch.empty(T, dtype=torch.long)  # packed token -> its row in the concatenated bucket outputs
+    outs, states, order, offset = [], [], [], 0
+    for L, members in _varlen_buckets(spans, chunk_size).items():
+        idx = torch.full((len(members), L), T, dtype=torch.long)
+        for r, i in enumerate(members):
+            b, e = spans[i]
+            idx[r, : e - b] = torch.arange(b, e)
+            src[b:e] = torch.arange(offset + r * L, offset + r * L + e - b)
+        idx = idx.to(q.device)
+        xs = [x[idx] for x in padded]
+        o, state = _chunk_fwd_grouped(*xs, scale, use_qk_l2norm_in_kernel, initial_state[members].float(),
+                                      chunk_size)
+        outs.append(o.reshape(-1, H, V))
+        states.append(state)
+        order.extend(members)
+        offset += len(members) * L
+    o = torch.cat(outs)[src.to(q.device)].unsqueeze(0)
+    state = torch.cat(states)[torch.argsort(torch.tensor(order, device=q.device))]
+    return o, state
+
+
 def chunk_kda_torch(
     q, k, v, g, beta, scale, initial_state=None, output_final_state=False,
     use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_size=CHUNK_SIZE,
 ):
     """Chunked KDA in plain PyTorch, differentiable through autograd. Exact to fp32 rounding.
 
-    Varlen (`cu_seqlens`) packs are unpacked into a zero-padded batch; padding sits after each sequence
-    with k = v = 0, g = 0, beta = 0, which leaves the state untouched, so final states are exact.
+    Varlen (`cu_seqlens`) packs run as zero-padded batches of similar length (`_chunk_varlen`).
     """
     dtype = v.dtype
     B, T, H, K = q.shape
     V = v.shape[-1]
     if cu_seqlens is not None:
-        spans = _split_varlen(cu_seqlens)
-        L = max(e - b for b, e in spans)
-        L = -(-L // chunk_size) * chunk_size
-        xs = [
-            torch.stack([F.pad(x[0, b:e], (0, 0) * (x.dim() - 2) + (0, L - (e - b))) for b, e in spans])
-            for x in (q, k, v, g, beta)
-        ]
-        N = len(spans)
-        state = q.new_zeros(N, H, K, V, dtype=torch.float32) if initial_state is None else initial_state.float()
-        o, state = _chunk_fwd_grouped(*xs, scale, use_qk_l2norm_in_kernel, state, chunk_size)
-        o = torch.cat([o[i, : e - b] for i, (b, e) in enumerate(spans)]).unsqueeze(0)
+        o, state = _chunk_varlen(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
+                                 chunk_size)
         return o.to(dtype), (state if output_final_state else None)
 
     pad = -T % chunk_size

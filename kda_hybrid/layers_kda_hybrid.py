@@ -122,13 +122,20 @@ class KDAHybridDeltaAttention(nn.Module):
 
     def _packed_conv(self, conv: nn.Conv1d, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """Causal depthwise conv + SiLU over packed documents: taps never reach into the previous document.
-        x: [1, C, N] (N packed tokens)."""
+        x: [1, C, N] (N packed tokens). One shifted multiply-add per tap, the shifted copy zeroed on the tokens
+        whose tap would fall before their document's start: elementwise passes over contiguous [C, N] rows
+        forward and backward (an unfolded [C, N, kernel] window and its backward cost 5x more here, and CPU
+        depthwise conv1d's backward more still)."""
         N, width = x.shape[-1], self.conv_size
-        windows = F.pad(x, (width - 1, 0)).unfold(-1, width, 1)  # [1, C, N, kernel]
         pos = torch.arange(N, device=x.device)
-        start = cu_seqlens[torch.searchsorted(cu_seqlens, pos, right=True) - 1]  # document start of each token
-        valid = (pos[:, None] - (width - 1) + torch.arange(width, device=x.device)) >= start[:, None]  # [N, k]
-        return F.silu((windows * (conv.weight[:, None, 0, :] * valid)).sum(-1))
+        since_start = pos - cu_seqlens[torch.searchsorted(cu_seqlens, pos, right=True) - 1]  # tokens before, same doc
+        padded = F.pad(x, (width - 1, 0))
+        weight = conv.weight[:, 0, :, None]  # [C, kernel, 1]; tap j reads x[t - (kernel - 1 - j)]
+        out = x * weight[:, width - 1]
+        for j in range(width - 1):
+            shift = width - 1 - j
+            out = out + padded[..., j:j + N] * (since_start >= shift).to(x.dtype) * weight[:, j]
+        return F.silu(out)
 
     def forward(
         self,
@@ -269,6 +276,32 @@ def continuation_attention(query, key, value, scaling):
     return out.transpose(1, 2)
 
 
+PACKED_ATTENTION_MAX_DOCS = 256  # more documents per batch: one block-diagonal-masked call beats a loop of tiny ones
+
+
+def packed_attention(query, key, value, cu_seqlens: torch.Tensor, scaling: float, dropout: float = 0.0):
+    """Causal attention inside each packed document, one fused SDPA call per document, no mask: the work is the
+    sum of the documents' L^2 instead of the (B * T)^2 of a block-diagonal mask (4-8x less for 512-token rows packed
+    four to a batch), and no [B * T, B * T] mask is built. query [B, H, T, D], key/value [B, H_kv, T, D], documents at
+    the offsets `cu_seqlens` of the flattened B * T tokens -> [B, T, H, Dv]."""
+    B, H, T, _ = query.shape
+    groups = H // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+
+    def flat(x):  # [B, H, T, D] -> [1, H, B * T, D]: documents never cross rows, so rows pack end to end
+        return x.transpose(0, 1).reshape(1, H, B * T, x.shape[-1])
+
+    q, k, v = flat(query), flat(key), flat(value)
+    bounds = cu_seqlens.tolist()
+    out = torch.cat([
+        F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], dropout_p=dropout, is_causal=True,
+                                       scale=scaling)
+        for s, e in zip(bounds[:-1], bounds[1:])
+    ], dim=2)
+    return out.reshape(H, B, T, -1).permute(1, 2, 0, 3)
+
+
 def _attention_interface(config) -> Callable:
     impl = config._attn_implementation or "eager"
     return eager_attention_forward if impl == "eager" else ALL_ATTENTION_FUNCTIONS[impl]
@@ -304,7 +337,8 @@ class KDAHybridMLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, Hq * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
         self.o_proj = nn.Linear(Hq * self.v_head_dim, D, bias=config.attention_bias)
 
-    def forward(self, hidden_states, attention_mask=None, cache_layer: KVLayerState | None = None, **kwargs):
+    def forward(self, hidden_states, attention_mask=None, cache_layer: KVLayerState | None = None,
+                cu_seqlens: torch.Tensor | None = None, **kwargs):
         B, T, _ = hidden_states.shape
         if self.q_lora_rank is None:
             q = self.q_proj(hidden_states)
@@ -328,7 +362,9 @@ class KDAHybridMLAttention(nn.Module):
             # path that materialises T x T scores: 7.5x slower at T=4096 on CPU. Zero-padding v costs less.
             v = F.pad(v, (0, pad))
         dropout = self.config.attention_dropout if self.training else 0.0
-        if attention_mask is None and Tk > T and self.config._attn_implementation == "sdpa" and not dropout:
+        if cu_seqlens is not None:  # packed documents, no cache (the model only passes this with sdpa)
+            out = packed_attention(q, k, v, cu_seqlens, self.scaling, dropout)
+        elif attention_mask is None and Tk > T and self.config._attn_implementation == "sdpa" and not dropout:
             out = continuation_attention(q, k, v, self.scaling)  # chunked prefill on a cache, no padding
         else:
             out, _ = _attention_interface(self.config)(
@@ -406,7 +442,7 @@ class KDAHybridAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, D, bias=config.attention_bias)
 
     def forward(self, hidden_states, attention_mask=None, cache_layer: KVLayerState | None = None,
-                position_embeddings=None, **kwargs):
+                position_embeddings=None, cu_seqlens: torch.Tensor | None = None, **kwargs):
         B, T, _ = hidden_states.shape
         q = self.q_proj(hidden_states).view(B, T, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(hidden_states).view(B, T, -1, self.head_dim).transpose(1, 2)
@@ -417,10 +453,13 @@ class KDAHybridAttention(nn.Module):
         k = k * cos + _rotate_half(k) * sin
         if cache_layer is not None:
             k, v = cache_layer.update(k, v)
-        out, _ = _attention_interface(self.config)(
-            self, q, k, v, attention_mask, dropout=self.config.attention_dropout if self.training else 0.0,
-            scaling=self.scaling, **kwargs,
-        )
+        dropout = self.config.attention_dropout if self.training else 0.0
+        if cu_seqlens is not None:  # packed documents, no cache (the model only passes this with sdpa)
+            out = packed_attention(q, k, v, cu_seqlens, self.scaling, dropout)
+        else:
+            out, _ = _attention_interface(self.config)(
+                self, q, k, v, attention_mask, dropout=dropout, scaling=self.scaling, **kwargs,
+            )
         return self.o_proj(out.reshape(B, T, -1))
 
 

@@ -29,6 +29,7 @@ from .layers_kda_hybrid import (
     KDAHybridRMSNorm,
     KDAHybridRotaryEmbedding,
     KDAHybridRouter,
+    PACKED_ATTENTION_MAX_DOCS,
     packed_cu_seqlens,
 )
 from .model_card_kda_hybrid import write_model_card
@@ -57,7 +58,9 @@ class KDAHybridDecoderLayer(GradientCheckpointingLayer):
         self.post_attention_layernorm = KDAHybridRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, hidden_states, attention_mask=None, token_mask=None, cache=None, position_embeddings=None,
-                cu_seqlens=None, **kwargs):
+                cu_seqlens=None, attention_cu_seqlens=None, **kwargs):
+        """cu_seqlens: packed documents for the KDA layers; attention_cu_seqlens: the same for the attention layers
+        when they run per document (sdpa), else None and `attention_mask` is block-diagonal."""
         layer_idx = self.self_attn.layer_idx
         cache_layer = cache.layers[layer_idx] if cache is not None else None
         residual = hidden_states
@@ -67,7 +70,8 @@ class KDAHybridDecoderLayer(GradientCheckpointingLayer):
                                            cu_seqlens=cu_seqlens)
         else:
             hidden_states = self.self_attn(hidden_states, attention_mask=attention_mask, cache_layer=cache_layer,
-                                           position_embeddings=position_embeddings)
+                                           position_embeddings=position_embeddings,
+                                           cu_seqlens=attention_cu_seqlens)
         hidden_states = residual + hidden_states
         residual = hidden_states
         hidden_states = self.post_attention_layernorm(hidden_states)
@@ -199,8 +203,13 @@ class KDAHybridModel(KDAHybridPreTrainedModel):
             and self.config._attn_implementation == "sdpa"
             and (attention_mask is None or (attention_mask.dim() == 2 and bool(attention_mask.all())))
         )
+        # Packed documents under sdpa: attention runs per document (packed_attention), no block-diagonal mask
+        attention_cu_seqlens = None
+        if (cu_seqlens is not None and self.config._attn_implementation == "sdpa"
+                and len(cu_seqlens) - 1 <= PACKED_ATTENTION_MAX_DOCS):
+            attention_cu_seqlens = cu_seqlens
         causal_mask = None
-        if self.config.full_attention_layers and not plain_continuation:
+        if self.config.full_attention_layers and not plain_continuation and attention_cu_seqlens is None:
             causal_mask = create_causal_mask(
                 config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=cache,
                 position_ids=position_ids,
@@ -211,7 +220,8 @@ class KDAHybridModel(KDAHybridPreTrainedModel):
         all_hidden = (hidden_states,) if output_hidden_states else None
         for layer in self.layers:
             hidden_states = layer(hidden_states, attention_mask=causal_mask, token_mask=token_mask, cache=cache,
-                                  position_embeddings=position_embeddings, cu_seqlens=cu_seqlens, use_cache=use_cache)
+                                  position_embeddings=position_embeddings, cu_seqlens=cu_seqlens, use_cache=use_cache,
+                                  attention_cu_seqlens=attention_cu_seqlens)
             if output_hidden_states:
                 all_hidden += (hidden_states,)
         hidden_states = self.norm(hidden_states)

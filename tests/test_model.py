@@ -491,3 +491,40 @@ def test_packed_documents_equal_separate_runs(attention, moe):
     model.train()
     model(ids, position_ids=position_ids, labels=ids).loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("attention", ["mla", "gqa"])
+def test_packed_attention_per_document_equals_block_diagonal_mask(attention, monkeypatch):
+    """Under sdpa the attention layers of a packed batch run one fused call per document (packed_attention, no
+    mask); eager, and sdpa past PACKED_ATTENTION_MAX_DOCS documents, use transformers' block-diagonal mask. Same
+    logits and gradients (GQA: 4 query heads over 2 key/value heads)."""
+    import kda_hybrid.layers_kda_hybrid as layers
+    import kda_hybrid.modeling_kda_hybrid as modeling
+
+    docs = [prompt(B=1, T=n, seed=n)[0] for n in (5, 70, 1, 20, 50)]
+    ids = torch.stack([torch.cat(docs[:3])[:64], torch.cat(docs[3:])[:64]])  # 2 rows, documents restart in rows
+    position_ids = torch.stack([torch.cat([torch.arange(5), torch.arange(59)]), torch.cat([torch.arange(20),
+                                                                                           torch.arange(44)])])
+
+    def run(model):
+        model.zero_grad()
+        out = model(ids, position_ids=position_ids, labels=ids)
+        out.loss.backward()
+        return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    model = tiny_model(attention, False).train()
+    calls, original = [], layers.packed_attention
+    monkeypatch.setattr(layers, "packed_attention", lambda *a, **k: calls.append(1) or original(*a, **k))
+    assert model.config._attn_implementation == "sdpa"
+    n_attention = model.config.layer_types.count("full_attention")
+    logits, grads = run(model)
+    assert len(calls) == n_attention >= 1  # every attention layer took the per-document path
+    monkeypatch.setattr(modeling, "PACKED_ATTENTION_MAX_DOCS", 0)  # sdpa with the mask
+    masked_logits, masked_grads = run(model)
+    assert len(calls) == n_attention
+    model.set_attn_implementation("eager")
+    eager_logits, eager_grads = run(model)
+    for other_logits, other_grads in ((masked_logits, masked_grads), (eager_logits, eager_grads)):
+        torch.testing.assert_close(logits, other_logits, rtol=1e-5, atol=1e-5)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, other_grads[name], rtol=1e-4, atol=1e-6, msg=name)

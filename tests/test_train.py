@@ -190,7 +190,7 @@ def test_shipped_checkpoint_generates_python():
     with torch.no_grad():
         loss = float(model(ids, labels=ids).loss)
         out = model.generate(ids[:, :4], max_new_tokens=8, do_sample=False)
-    assert loss < 5.0, loss  # measured 3.96; an untrained model gives 7.6
+    assert loss < 2.5, loss  # measured 1.95 (the earlier 250-step checkpoint: 3.96); an untrained model gives 7.6
     assert out.shape == (1, 12)
 
 

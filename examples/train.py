@@ -241,8 +241,8 @@ def save_final(accelerator, model, model_cls, args, out: Path):
 @torch.no_grad()
 def evaluate(accelerator, model, val_tokens, args, bos_id) -> tuple[float, int]:
     """Mean validation loss over every full row of val.bin (or the first --eval-rows), rows split over ranks, in
-    fp32 whatever --mixed-precision says. Under FSDP every forward is collective, so every process runs the same
-    number of them: one with no rows left forwards row 0 and drops the result."""
+    fp32 whatever --mixed-precision says. Under FSDP every forward is collective (and DDP may sync buffers in
+    one), so every process runs the same number of them: one with no rows left forwards row 0 and drops it."""
     model.eval()
     n = num_rows(val_tokens, args.seq_len)
     n = min(n, args.eval_rows) if args.eval_rows else n
@@ -250,7 +250,7 @@ def evaluate(accelerator, model, val_tokens, args, bos_id) -> tuple[float, int]:
     world = accelerator.num_processes
     mine = list(range(accelerator.process_index, n, world))
     mbs = args.micro_batch_size
-    forwards = math.ceil(math.ceil(n / world) / mbs) if args.fsdp else math.ceil(len(mine) / mbs)
+    forwards = math.ceil(math.ceil(n / world) / mbs)  # the same on every process
     for i in range(0, forwards * mbs, mbs):
         rows = mine[i:i + mbs]
         batch = make_batch(val_tokens, rows or [0], args.seq_len, bos_id)

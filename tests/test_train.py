@@ -136,6 +136,35 @@ def test_fsdp_two_processes_with_resume_equal_one(data, single_run, tmp_path):
     np.testing.assert_allclose(vals[0], vals[1], rtol=1e-5)  # validation split over 2 sharded processes
 
 
+def test_validation_runs_the_same_forwards_on_every_process(data, monkeypatch):
+    """Under FSDP every forward is collective: with 3 validation rows over 2 processes (1 row per forward), rank 1
+    must run a second, discarded forward, or rank 0 would wait for it forever. The two ranks' sums add up to the
+    single-process figure."""
+    from types import SimpleNamespace
+
+    model = KDAHybridForCausalLM(KDAHybridConfig(vocab_size=320, **TINY)).eval()
+    val = train.load_tokens(data / "val.bin")
+    assert train.num_rows(val, SEQ_LEN) == 3
+    args = SimpleNamespace(seq_len=SEQ_LEN, eval_rows=0, micro_batch_size=1)
+    forwards, sums = {}, {}
+    real_loss_sum = train.loss_sum
+
+    def run(rank, world):
+        def counting(*a):
+            forwards[rank, world] = forwards.get((rank, world), 0) + 1
+            return real_loss_sum(*a)
+
+        monkeypatch.setattr(train, "loss_sum", counting)
+        acc = SimpleNamespace(process_index=rank, num_processes=world, device=torch.device("cpu"),
+                              reduce=lambda t, _: (sums.__setitem__((rank, world), t.clone()), t)[1])
+        train.evaluate(acc, model, val, args, bos_id=1)
+
+    for rank, world in ((0, 1), (0, 2), (1, 2)):
+        run(rank, world)
+    assert forwards == {(0, 1): 3, (0, 2): 2, (1, 2): 2}
+    torch.testing.assert_close(sums[0, 2] + sums[1, 2], sums[0, 1], rtol=1e-12, atol=0)
+
+
 def test_fsdp_needs_a_distributed_launch(data, tmp_path):
     with pytest.raises(ValueError, match="needs a distributed launch"):
         train.main(train_args(data, tmp_path, "--fsdp"))

@@ -35,6 +35,17 @@ def assert_close_rel(actual, expected, rel=1e-5, name="output"):
     assert err <= rel * scale, f"{name}: max abs error {err:.3e} > {rel:.0e} * scale {scale:.3e}"
 
 
+def assert_matches_reference(backend, q, k, v, g, beta, h0):
+    """chunk_kda on `backend` (with an initial state, its final state, qk l2norm in the kernel): finite, and output
+    and final state within assert_close_rel of the token-by-token reference."""
+    kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o, s = chunk_kda(q, k, v, g, beta, backend=backend, **kw)
+    o_ref, s_ref = chunk_kda(q, k, v, g, beta, backend="reference", **kw)
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    assert_close_rel(o, o_ref)
+    assert_close_rel(s, s_ref)
+
+
 SHAPES = [
     pytest.param(2, T, H, K, V, id=f"B2-T{T}-H{H}-K{K}-V{V}")
     for T in (1, 63, 64, 65, 130, 300)
@@ -80,12 +91,7 @@ def test_strong_decay_is_finite_and_exact(gate):
     """g down to about -20 (and -60) per token per channel: Gamma reaches -1000s inside a chunk."""
     q, k, v, g, beta, h0 = make_inputs(1, 512, 2, 64, 64, gate=gate, init_state=True)
     assert g.min() < -gate  # the test really exercises strong decay
-    kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    o, s = chunk_kda(q, k, v, g, beta, backend="torch", **kw)
-    o_ref, s_ref = chunk_kda(q, k, v, g, beta, backend="reference", **kw)
-    assert torch.isfinite(o).all() and torch.isfinite(s).all()
-    assert_close_rel(o, o_ref)
-    assert_close_rel(s, s_ref)
+    assert_matches_reference("torch", q, k, v, g, beta, h0)
 
 
 def test_state_carried_across_groups_of_chunks():
@@ -188,26 +194,30 @@ def test_decode_inplace_state_update():
     assert torch.equal(state2, h0)
 
 
-@pytest.mark.parametrize("gate", [1.0, 20.0], ids=["gate1", "gate20"])
-@pytest.mark.parametrize("T", [1, 65, 130])
-def test_chunk_gradients_match_reference(T, gate):
-    B, H, K, V = 1, 2, 16, 24
-    args = make_inputs(B, T, H, K, V, init_state=True, requires_grad=True, gate=gate)
+def assert_gradients_match_reference(args, do, ds, **kw):
+    """Gradients of (o * do).sum() + (s * ds).sum() for q, k, v, g, beta and the initial state: the torch chunked
+    path against autograd through the token-by-token reference."""
     q, k, v, g, beta, h0 = args
-    do = torch.randn(B, T, H, V)
-    ds = torch.randn(B, H, K, V)
 
     def grads(backend):
         for x in args:
             x.grad = None
         o, s = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
-                         use_qk_l2norm_in_kernel=True, backend=backend)
+                         use_qk_l2norm_in_kernel=True, backend=backend, **kw)
         ((o * do).sum() + (s * ds).sum()).backward()
         return [x.grad.clone() for x in args]
 
     for name, got, ref in zip("q k v g beta h0".split(), grads("torch"), grads("reference")):
         assert torch.isfinite(got).all(), name
         assert_close_rel(got, ref, rel=2e-5, name=f"d{name}")
+
+
+@pytest.mark.parametrize("gate", [1.0, 20.0], ids=["gate1", "gate20"])
+@pytest.mark.parametrize("T", [1, 65, 130])
+def test_chunk_gradients_match_reference(T, gate):
+    B, H, K, V = 1, 2, 16, 24
+    args = make_inputs(B, T, H, K, V, init_state=True, requires_grad=True, gate=gate)
+    assert_gradients_match_reference(args, torch.randn(B, T, H, V), torch.randn(B, H, K, V))
 
 
 def test_varlen_gradients_match_reference():
@@ -217,20 +227,9 @@ def test_varlen_gradients_match_reference():
     H, K, V = 2, 16, 24
     q, k, v, g, beta, _ = make_inputs(1, sum(lens), H, K, V, requires_grad=True)
     h0 = torch.randn(len(lens), H, K, V, requires_grad=True)
-    args = (q, k, v, g, beta, h0)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
-    do, ds = torch.randn_like(v), torch.randn(len(lens), H, K, V)
-
-    def grads(backend):
-        for x in args:
-            x.grad = None
-        o, s = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
-                         use_qk_l2norm_in_kernel=True, backend=backend)
-        ((o * do).sum() + (s * ds).sum()).backward()
-        return [x.grad.clone() for x in args]
-
-    for name, got, ref in zip("q k v g beta h0".split(), grads("torch"), grads("reference")):
-        assert_close_rel(got, ref, rel=2e-5, name=f"d{name}")
+    assert_gradients_match_reference((q, k, v, g, beta, h0), torch.randn_like(v), torch.randn(len(lens), H, K, V),
+                                     cu_seqlens=cu)
 
 
 def test_fused_recurrent_gradients_flow():
@@ -321,9 +320,4 @@ from hypothesis import strategies as st  # noqa: E402
 )
 def test_property_chunk_equals_reference(B, T, H, K, V, gate, seed, init_state):
     q, k, v, g, beta, h0 = make_inputs(B, T, H, K, V, gate=gate, seed=seed, init_state=init_state)
-    kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    o, s = chunk_kda(q, k, v, g, beta, backend="torch", **kw)
-    o_ref, s_ref = chunk_kda(q, k, v, g, beta, backend="reference", **kw)
-    assert torch.isfinite(o).all() and torch.isfinite(s).all()
-    assert_close_rel(o, o_ref)
-    assert_close_rel(s, s_ref)
+    assert_matches_reference("torch", q, k, v, g, beta, h0)

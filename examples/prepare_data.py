@@ -53,23 +53,31 @@ def read_text(path: Path) -> str | None:
         return None
 
 
-def train_tokenizer(texts: list[str], vocab_size: int):
-    """Byte-level BPE (any text round-trips) with <|pad|> <|bos|> <|eos|> at ids 0-2; encode() prepends <|bos|>,
-    as the training documents start with it."""
+def bpe_tokenizer(texts: list[str], vocab_size: int, special_tokens: list[str], bos: str):
+    """A `tokenizers.Tokenizer`: byte-level BPE (any text round-trips) trained on `texts`, the special tokens at ids
+    0, 1, ... in order, and encode() prepending `bos`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=vocab_size, special_tokens=special_tokens, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer)
-    tok.post_processor = processors.TemplateProcessing(single="<|bos|> $A", pair="<|bos|> $A <|bos|> $B",
-                                                       special_tokens=[("<|bos|>", BOS_ID)])
-    assert [tok.token_to_id(t) for t in SPECIAL_TOKENS] == [PAD_ID, BOS_ID, EOS_ID]
+    tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                       special_tokens=[(bos, tok.token_to_id(bos))])
+    assert [tok.token_to_id(t) for t in special_tokens] == list(range(len(special_tokens)))
+    return tok
+
+
+def train_tokenizer(texts: list[str], vocab_size: int):
+    """bpe_tokenizer with <|pad|> <|bos|> <|eos|> at ids 0-2; encode() prepends <|bos|>, as the training documents
+    start with it."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = bpe_tokenizer(texts, vocab_size, SPECIAL_TOKENS, "<|bos|>")
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>",
                                    pad_token="<|pad|>", model_max_length=1 << 20)
 

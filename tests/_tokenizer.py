@@ -11,9 +11,14 @@ import functools
 import itertools
 import json
 import os.path
+import sys
+from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+from prepare_data import bpe_tokenizer  # noqa: E402  (examples/prepare_data.py trains the shipped tokenizer)
 
 VOCAB_SIZE = 384  # 256 byte symbols + 5 specials + ~120 merges: fast to train, still merges real words
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>"]
@@ -41,18 +46,8 @@ def _corpus() -> list[str]:
 
 @functools.lru_cache(maxsize=1)
 def _trained_json() -> str:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_corpus(), trainer)
     # plain encode() prepends <s>, as Llama-style tokenizers do; the chat template writes its own <s>
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", BOS_ID)]
-    )
+    tok = bpe_tokenizer(_corpus(), VOCAB_SIZE, SPECIAL_TOKENS, "<s>")
     assert [tok.token_to_id(t) for t in SPECIAL_TOKENS[:3]] == [PAD_ID, BOS_ID, EOS_ID]
     return tok.to_str()
 

@@ -39,6 +39,7 @@ setup(
             "peft>=0.21",  # LoRA fine-tuning test (tests/test_train.py)
             "accelerate>=1.0",
             "matplotlib",  # training report and long-context plots
+            "ruff",  # .ci/run lints with the config in pyproject.toml
         ],
         "bench": ["matplotlib", "psutil"],
     },

@@ -1,7 +1,7 @@
 """The 6.5M-parameter model (benchmarks/shapes.py) against transformers' native KimiLinearForCausalLM with
 the same weights, on CPU: forward of 8192 tokens, and decode ms/token at 256 and 4096 tokens of context.
 
-    python benchmarks/bench_model.py                 # 1 thread, as DESIGN.md §7's anchors
+    python benchmarks/bench_model.py                 # 1 thread, as docs/architecture.md §7's anchors
     python benchmarks/bench_model.py --threads 2 --forward-tokens 4096
 
 fla is blocked in this process so the native model runs its PyTorch fallbacks (with fla installed it binds

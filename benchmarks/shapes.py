@@ -4,7 +4,7 @@ from kda_hybrid import KDAHybridConfig
 
 
 def tiny_6p5m(**over) -> KDAHybridConfig:
-    """The 6.5M-parameter shape of DESIGN.md §7: hidden 256, 8 layers = 6 KDA + 2 MLA (1-based 4 and 8, the
+    """The 6.5M-parameter shape of docs/architecture.md §7: hidden 256, 8 layers = 6 KDA + 2 MLA (1-based 4 and 8, the
     Kimi pattern), KDA 4 heads x 64, MLA 4 heads (latent 128, nope 64, rope 32, v 64), dense SwiGLU 512,
     vocab 1536 (6.48M parameters)."""
     cfg = dict(

@@ -8,7 +8,7 @@ This module never imports triton. Every function takes the public layout
 and computes in fp32 whatever the input dtype (outputs are cast back to v's dtype). Inputs are assumed
 to be validated by `kda_ops` (the one public dispatch point).
 
-Recurrence (one head, DESIGN.md §1, eq. (1) of the Kimi Linear report):
+Recurrence (one head, docs/architecture.md §1, eq. (1) of the Kimi Linear report):
 
     S <- diag(exp g_t) S
     S <- S + beta_t k_t (v_t - S^T k_t)^T

@@ -1,6 +1,6 @@
 """Triton kernels for Kimi Delta Attention: the chunked form (prefill, training) and a fused recurrent
 decode step. The exact PyTorch twins are `kda_torch.chunk_kda_torch` / `kda_torch.recurrent_kda_reference`;
-the chunked kernels mirror `kda_torch._chunk_fwd` step by step (DESIGN.md §1).
+the chunked kernels mirror `kda_torch._chunk_fwd` step by step (docs/architecture.md §1).
 
 Layout: q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; states [N, H, K, V] fp32. Batched inputs are
 viewed as one packed sequence of B*T tokens with B equal-length segments, so every chunk kernel has a

@@ -1,4 +1,4 @@
-"""Layers of the KDA hybrid model (DESIGN.md §2-§4): norms, the KDA layer, NoPE MLA and GQA full attention,
+"""Layers of the KDA hybrid model (docs/architecture.md §2-§4): norms, the KDA layer, NoPE MLA and GQA full attention,
 dense SwiGLU and DeepSeek-V3-style MoE. Parameter names follow the original Kimi-Linear checkpoint."""
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def _gather_tokens(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
 
 
 class KDAHybridDeltaAttention(nn.Module):
-    """Kimi Delta Attention layer (DESIGN.md §2)."""
+    """Kimi Delta Attention layer (docs/architecture.md §2)."""
 
     def __init__(self, config: KDAHybridConfig, layer_idx: int):
         super().__init__()
@@ -308,7 +308,7 @@ def _attention_interface(config) -> Callable:
 
 
 class KDAHybridMLAttention(nn.Module):
-    """Multi-head latent attention without positional encoding (Kimi Linear, DESIGN.md §3). The cache holds
+    """Multi-head latent attention without positional encoding (Kimi Linear, docs/architecture.md §3). The cache holds
     the normalised latent and the shared key part, not per-head keys and values."""
 
     def __init__(self, config: KDAHybridConfig, layer_idx: int):
@@ -493,7 +493,7 @@ class KDAHybridExpert(nn.Module):
 
 
 class KDAHybridRouter(nn.Module):
-    """Sigmoid top-k router with a score-correction bias (DeepSeek-V3 'noaux_tc', DESIGN.md §4), in fp32."""
+    """Sigmoid top-k router with a score-correction bias (DeepSeek-V3 'noaux_tc', docs/architecture.md §4), in fp32."""
 
     def __init__(self, config: KDAHybridConfig):
         super().__init__()

@@ -3,7 +3,7 @@
 A one-shot forward holds every layer's activations for the whole prompt at once (and, without
 `logits_to_keep`, a [B, T, vocab] logits tensor). Run chunk by chunk under `no_grad`, peak activation memory is
 set by the chunk; what still grows with the prompt is the cache, and in a KDA hybrid only its full-attention
-layers grow (DESIGN.md §2-§3): the KDA layers' state is a fixed [B, H, K, V] per layer.
+layers grow (docs/architecture.md §2-§3): the KDA layers' state is a fixed [B, H, K, V] per layer.
 
     from kda_hybrid.long_context import prefill
 

@@ -1,6 +1,6 @@
 """KDA hybrid causal LM (the Kimi Linear architecture) for transformers: decoder, base model, causal LM.
 
-Layers (layers_kda_hybrid.py, DESIGN.md §2-§4): KDA delta-rule linear attention in most layers, full attention
+Layers (layers_kda_hybrid.py, docs/architecture.md §2-§4): KDA delta-rule linear attention in most layers, full attention
 (NoPE MLA, or GQA with RoPE) every few layers, dense SwiGLU or DeepSeek-V3-style MoE MLPs. Parameter names
 follow the original Kimi-Linear checkpoint so that conversion is renaming only.
 """

@@ -193,7 +193,7 @@ def carried_modules() -> set[str]:
 
 def test_saved_folder_is_self_contained(saved):
     files = {p.name for p in saved.iterdir()}
-    assert all(p.is_file() for p in saved.iterdir()), "flat: no sub-folders (DESIGN §6)"
+    assert all(p.is_file() for p in saved.iterdir()), "flat: no sub-folders (docs/architecture.md §6)"
     config = json.loads((saved / "config.json").read_text())
     assert config["model_type"] == "kda_hybrid"
     assert config["auto_map"] == {

@@ -224,15 +224,20 @@ def test_shipped_checkpoint_generates_python():
 
 
 def test_shipped_checkpoint_code_is_the_package_code():
-    """The checkpoint carries the flat modules trust_remote_code runs as links to the package's own files (one
-    copy of the code in the repo, never stale); every module the modeling file needs must be there."""
+    """The checkpoint carries the flat modules trust_remote_code runs as real files (so the folder survives
+    `cp -r`, `git archive`, a zip and a Hub upload), byte-identical to the package's own; every module the
+    modeling file needs must be there."""
     import kda_hybrid
     from kda_hybrid.model_card_kda_hybrid import _carried_modules
 
     folder = REPO / "checkpoints" / "kda-hybrid-stdlib"
     package = Path(kda_hybrid.__file__).parent
-    wrong = [m for m in _carried_modules() if (folder / m).resolve() != (package / m).resolve()]
-    assert not wrong, f"not links to the package's modules: {wrong} (ln -s ../../kda_hybrid/<module> {folder})"
+    links = [m for m in _carried_modules() if (folder / m).is_symlink()]
+    stale = [m for m in _carried_modules()
+             if not (folder / m).is_file() or (folder / m).read_bytes() != (package / m).read_bytes()]
+    fix = f"run: python scripts/refresh_checkpoint_code.py {folder.relative_to(REPO)}"
+    assert not links, f"links dangle after a plain copy: {links}; {fix}"
+    assert not stale, f"differ from the package's modules: {stale}; {fix}"
 
 
 def tiny_model(vocab_size: int, seed: int = 0) -> KDAHybridForCausalLM:

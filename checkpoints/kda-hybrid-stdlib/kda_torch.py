@@ -1,1 +1,333 @@
-../../kda_hybrid/kda_torch.py
+"""Pure-PyTorch Kimi Delta Attention: the token-by-token ground truth and the fast chunked CPU path.
+
+This module never imports triton. Every function takes the public layout
+
+    q, k: [B, T, H, K]   v: [B, T, H, V]   g: [B, T, H, K] (log decay, <= 0)   beta: [B, T, H]
+    state: [B, H, K, V] fp32
+
+and computes in fp32 whatever the input dtype (outputs are cast back to v's dtype). Inputs are assumed
+to be validated by `kda_ops` (the one public dispatch point).
+
+Recurrence (one head, docs/architecture.md §1, eq. (1) of the Kimi Linear report):
+
+    S <- diag(exp g_t) S
+    S <- S + beta_t k_t (v_t - S^T k_t)^T
+    o_t = S^T (scale q_t)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+L2NORM_EPS = 1e-6  # inside the sqrt, as fla's and the original kernels do
+CHUNK_SIZE = 64  # tokens per chunk; must be a power of two for the hierarchical gated products
+GROUP_TOKENS = 512  # tokens per group of chunks (see _chunk_fwd_grouped); a multiple of CHUNK_SIZE
+
+
+def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS, scale: float = 1.0) -> torch.Tensor:
+    """scale * x / sqrt(sum(x^2) + eps) over the last dim (vector_norm is one fused pass)."""
+    return x * (torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() + eps).rsqrt().mul(scale)
+
+
+def _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel):
+    """fp32 copies of the inputs, q scaled (and q, k L2-normalised when asked)."""
+    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    if use_qk_l2norm_in_kernel:
+        return l2norm(q, scale=scale), l2norm(k), v, g, beta
+    return q * scale, k, v, g, beta
+
+
+def _split_varlen(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
+    bounds = cu_seqlens.tolist()
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+# --------------------------------------------------------------------------------------------------
+# Ground truth: token by token.
+# --------------------------------------------------------------------------------------------------
+
+
+def _recurrent(q, k, v, g, beta, state):
+    """Token-by-token scan on prepared fp32 tensors (q already scaled). state: [B, H, K, V]."""
+    T = q.shape[1]
+    outs = []
+    for t in range(T):
+        state = state * g[:, t].exp().unsqueeze(-1)  # [B, H, K, V]
+        recall = torch.einsum("bhk,bhkv->bhv", k[:, t], state)
+        delta = beta[:, t].unsqueeze(-1) * (v[:, t] - recall)  # [B, H, V]
+        state = state + k[:, t].unsqueeze(-1) * delta.unsqueeze(-2)
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], state))
+    o = torch.stack(outs, dim=1) if outs else v.new_zeros(v.shape)
+    return o, state
+
+
+def recurrent_kda_reference(
+    q, k, v, g, beta, scale, initial_state=None, output_final_state=False,
+    use_qk_l2norm_in_kernel=False, cu_seqlens=None,
+):
+    """The definition, one token at a time. Differentiable; slow on purpose (it is the oracle)."""
+    dtype = v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if cu_seqlens is None:
+        state = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.float()
+        o, state = _recurrent(q, k, v, g, beta, state)
+        return o.to(dtype), (state if output_final_state else None)
+    outs, states = [], []
+    for i, (bos, eos) in enumerate(_split_varlen(cu_seqlens)):
+        state = q.new_zeros(1, H, K, V) if initial_state is None else initial_state[i : i + 1].float()
+        sl = slice(bos, eos)
+        o, state = _recurrent(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], state)
+        outs.append(o)
+        states.append(state)
+    o = torch.cat(outs, dim=1)
+    return o.to(dtype), (torch.cat(states) if output_final_state else None)
+
+
+# --------------------------------------------------------------------------------------------------
+# Recurrent form for decoding: the same scan, in place when no gradient is needed.
+# --------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def _recurrent_inplace(q, k, v, g, beta, state):
+    """Token-by-token scan that updates `state` ([B, H, K, V] fp32) in place; returns o [B, T, H, V]."""
+    B, T, H, V = v.shape
+    o = v.new_empty(B, T, H, V)
+    for t in range(T):
+        state.mul_(g[:, t].exp().unsqueeze(-1))
+        recall = torch.matmul(k[:, t].unsqueeze(-2), state).squeeze(-2)  # [B, H, V]
+        delta = (v[:, t] - recall).mul_(beta[:, t].unsqueeze(-1))
+        state.add_(k[:, t].unsqueeze(-1) * delta.unsqueeze(-2))
+        o[:, t] = torch.matmul(q[:, t].unsqueeze(-2), state).squeeze(-2)
+    return o
+
+
+def fused_recurrent_kda_torch(
+    q, k, v, g, beta, scale, initial_state=None, output_final_state=False,
+    use_qk_l2norm_in_kernel=False, cu_seqlens=None, inplace_final_state=False,
+):
+    """Recurrent KDA for short T (decode). With `inplace_final_state` and an fp32 initial_state, the
+    state tensor itself is updated and returned (no allocation per step) when no gradient is needed."""
+    needs_grad = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state)
+    )
+    if needs_grad or cu_seqlens is not None:
+        return recurrent_kda_reference(
+            q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens
+        )
+    dtype = v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
+    B, T, H, K = q.shape
+    if initial_state is None:
+        state = q.new_zeros(B, H, K, v.shape[-1])
+    elif inplace_final_state:
+        state = initial_state
+    else:
+        state = initial_state.clone()
+    o = _recurrent_inplace(q, k, v, g, beta, state)
+    return o.to(dtype), (state if output_final_state else None)
+
+
+# --------------------------------------------------------------------------------------------------
+# Chunked form: everything but the state scan is batched over all chunks.
+# --------------------------------------------------------------------------------------------------
+
+
+MAX_BLOCK_DECAY = 60.0  # largest within-block log decay factored through one anchor (e^60 << fp32 max e^88)
+
+
+def _gated_products(q, k, G):
+    """A_kk[r, c] = k_r . k_c exp(G_r - G_c) for c < r, and A_qk[r, c] = q_r . k_c exp(G_r - G_c) for c <= r.
+
+    q, k, G: [..., C, K] with G non-increasing along C (cumulative log decay); C a power of two.
+    Returns (A_kk, A_qk), each [..., C, C].
+
+    exp(G_r - G_c) cannot be split naively into exp(G_r) * exp(-G_c): with g = -20 per token the second
+    factor overflows within five tokens. A block of s tokens whose largest per-channel decay is at most
+    MAX_BLOCK_DECAY is done in one matmul anchored at its first row (factors within e^+-60, no overflow,
+    no harmful underflow). Otherwise the block is split: its lower-left quadrant pairs rows after the
+    midpoint with columns up to it, anchored at the midpoint so that both factors are <= 1 (always safe),
+    and the two diagonal halves are treated the same way, down to single tokens if need be. With ordinary
+    decays one 64x64 matmul per chunk does it all; g = -20 per token costs a few more, smaller, levels.
+    """
+    C = G.shape[-2]
+    A_kk = k.new_zeros(*G.shape[:-1], C)
+    A_qk = k.new_zeros(*G.shape[:-1], C)
+    s = C
+    while True:
+        nb = C // s
+        g_ = G.unflatten(-2, (nb, s))  # [..., nb, s, K]
+        q_, k_ = q.unflatten(-2, (nb, s)), k.unflatten(-2, (nb, s))
+        # views of the diagonal s x s blocks: [..., s, s, nb]
+        blocks_kk = torch.diagonal(A_kk.unflatten(-1, (nb, s)).unflatten(-3, (nb, s)), dim1=-4, dim2=-2)
+        blocks_qk = torch.diagonal(A_qk.unflatten(-1, (nb, s)).unflatten(-3, (nb, s)), dim1=-4, dim2=-2)
+        if s == 1 or float((g_[..., 0, :] - g_[..., -1, :]).detach().max()) <= MAX_BLOCK_DECAY:
+            anchor = g_[..., :1, :]
+            row_f = torch.exp(g_ - anchor)  # <= 1
+            col = k_ * torch.exp(anchor - g_)  # <= e^MAX_BLOCK_DECAY
+            col_t = col.transpose(-1, -2)
+            blocks_kk.copy_(((k_ * row_f) @ col_t).tril(-1).movedim(-3, -1))
+            blocks_qk.copy_(((q_ * row_f) @ col_t).tril(0).movedim(-3, -1))
+            return A_kk, A_qk
+        h = s // 2
+        ref = g_[..., h - 1 : h, :]  # [..., nb, 1, K]
+        row_f = torch.exp(g_[..., h:, :] - ref)  # rows after the midpoint, <= 1
+        col_t = (k_[..., :h, :] * torch.exp(ref - g_[..., :h, :])).transpose(-1, -2)  # <= 1
+        blocks_kk[..., h:, :h, :].copy_(((k_[..., h:, :] * row_f) @ col_t).movedim(-3, -1))
+        blocks_qk[..., h:, :h, :].copy_(((q_[..., h:, :] * row_f) @ col_t).movedim(-3, -1))
+        s = h
+
+
+def _chunk_fwd(q, k, v, g, beta, state, chunk_size):
+    """Chunked KDA on prepared fp32 tensors with T a multiple of chunk_size. Returns o, final state."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    C = chunk_size
+    N = T // C
+
+    def chunks(x):  # [B, T, H, D] -> [B, H, N, C, D], contiguous so every matmul below reads it in place
+        return x.unflatten(1, (N, C)).permute(0, 3, 1, 2, 4).contiguous()
+
+    q, k, v = chunks(q), chunks(k), chunks(v)
+    beta = chunks(beta.unsqueeze(-1))  # [B, H, N, C, 1]
+    G = chunks(g).cumsum(-2)  # [B, H, N, C, K], within-chunk cumulative log decay
+    G_last = G[..., -1:, :]  # [B, H, N, 1, K]
+    decay = G.exp()  # <= 1: decay from the chunk start to each token
+    qg, kg = q * decay, k * decay
+    beta_row = beta.transpose(-1, -2)  # [B, H, N, 1, C]
+    if float(-G_last.detach().min()) <= MAX_BLOCK_DECAY:
+        # Common case: no channel decays by more than e^-60 over a chunk, so exp(G_r - G_c) factors through
+        # the chunk start (see _gated_products) and one matmul per product covers the whole chunk.
+        if torch.is_grad_enabled() and (k.requires_grad or G.requires_grad):
+            k_inv = k * torch.exp(-G)  # <= |k| e^60 (not k / decay: its backward squares decay, which underflows)
+        else:
+            k_inv = k / decay  # the same value; one pass instead of negate + exp + multiply
+        A_kk = (kg @ k_inv.transpose(-1, -2)) * beta  # only its strict lower triangle is read below
+        A_qk = (qg @ k_inv.transpose(-1, -2)).tril()
+        k_out = k_inv * G_last.exp()  # = k exp(G_last - G), a product of two bounded factors
+    else:
+        A_kk, A_qk = _gated_products(q, k, G)
+        A_kk = A_kk * beta
+        k_out = k * torch.exp(G_last - G)
+    k_out = k_out.transpose(-1, -2)  # [B, H, N, K, C]
+
+    # WY form: w = (I + A_kk)^-1 diag(beta) k exp(G), u = (I + A_kk)^-1 diag(beta) v. The unit lower-triangular
+    # inverse reads only the strict lower triangle of A_kk (unitriangular=True); inverting once and
+    # multiplying twice is 1.5x faster on CPU than two triangular solves, and beta scales the C x C inverse's
+    # columns rather than the wider K- and V-channel operands.
+    eye = torch.eye(C, dtype=q.dtype, device=q.device).expand_as(A_kk)
+    A_inv = torch.linalg.solve_triangular(A_kk, eye, upper=False, unitriangular=True) * beta_row
+    w = A_inv @ kg  # [B, H, N, C, K]
+    u = A_inv @ v  # [B, H, N, C, V]
+    decay_last = G_last.exp().transpose(-1, -2)  # [B, H, N, K, 1]
+
+    # The only sequential part: the state entering each chunk and the corrected values v_new = u - w S.
+    # Batch and heads are flattened so each step is two baddbmm calls on [B*H, ., .] matrices.
+    w, u, k_out, decay_last = (x.flatten(0, 1) for x in (w, u, k_out, decay_last))
+    state = state.flatten(0, 1)  # [B*H, K, V]
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (w, u, k_out, decay_last, state)):
+        states, v_new = [], []
+        for n in range(N):
+            states.append(state)
+            vn = torch.baddbmm(u[:, n], w[:, n], state, alpha=-1)  # [B*H, C, V]
+            v_new.append(vn)
+            state = torch.baddbmm(state * decay_last[:, n], k_out[:, n], vn)
+        S = torch.stack(states, dim=1).flatten(0, 1)  # [B*H*N, K, V]
+        v_new = torch.stack(v_new, dim=1).flatten(0, 1)  # [B*H*N, C, V]
+    else:  # inference: write straight into preallocated buffers (no per-chunk tensors, no stacking)
+        S = state.new_empty(B * H, N, K, V)
+        v_new = state.new_empty(B * H, N, C, V)
+        for n in range(N):
+            S[:, n] = state
+            torch.baddbmm(u[:, n], w[:, n], state, alpha=-1, out=v_new[:, n])
+            state = torch.baddbmm(state * decay_last[:, n], k_out[:, n], v_new[:, n])
+        S, v_new = S.flatten(0, 1), v_new.flatten(0, 1)
+    o = torch.baddbmm(qg.flatten(0, 2) @ S, A_qk.flatten(0, 2), v_new)  # [B*H*N, C, V]
+    return o.view(B, H, N, C, V).permute(0, 2, 3, 1, 4).reshape(B, T, H, V), state.unflatten(0, (B, H))
+
+
+def _chunk_fwd_grouped(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, state, chunk_size):
+    """Chunked KDA over raw inputs (T a multiple of chunk_size), GROUP_TOKENS at a time with the state carried
+    across groups. Every group is batched over its chunks and heads; the grouping only keeps the working set
+    (about 20 tensors of GROUP_TOKENS x H x 128 fp32) in cache: at T=4096, H=4, K=V=128 on one CPU thread,
+    groups of 512 tokens took 118 ms (median; 75 ms best) against 181 ms (136 ms) for all 64 chunks at once,
+    256 and 1024 about as well as 512 (measured interleaved in one process, /tmp-style A/B, loaded machine)."""
+    T = q.shape[1]
+    outs = []
+    for t0 in range(0, T, GROUP_TOKENS):
+        sl = slice(t0, t0 + GROUP_TOKENS)
+        xs = _prepare(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], scale, use_qk_l2norm_in_kernel)
+        o, state = _chunk_fwd(*xs, state, chunk_size)
+        outs.append(o)
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), state
+
+
+def _varlen_buckets(spans: list[tuple[int, int]], chunk_size: int) -> dict[int, list[int]]:
+    """Sequence indices by padded length: whole chunks, rounded up to a power of two of them. Each bucket runs as one
+    batch, so a sequence is padded to at most twice its chunk count and there are at most log2(T / chunk) + 1
+    batches, where one batch padded to the longest sequence could compute N x the tokens."""
+    buckets: dict[int, list[int]] = {}
+    for i, (b, e) in enumerate(spans):
+        n_chunks = max(1, -(-(e - b) // chunk_size))
+        buckets.setdefault(chunk_size << (n_chunks - 1).bit_length(), []).append(i)
+    return buckets
+
+
+def _chunk_varlen(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens, chunk_size):
+    """Packed sequences ([1, T, ...], offsets cu_seqlens) through _chunk_fwd_grouped: each bucket of
+    `_varlen_buckets` is gathered into a [n, L, ...] batch with one index per input (padding reads an appended
+    zero token: k = v = g = beta = 0 leaves the state untouched, so final states are exact) and the outputs
+    return to packed order with one index: a few index ops forward and backward, whatever the number of
+    sequences (slicing each sequence out costs one full-size zero fill per sequence in the backward)."""
+    T, H, K, V = q.shape[1], q.shape[2], q.shape[3], v.shape[-1]
+    spans = _split_varlen(cu_seqlens)
+    padded = [torch.cat((x[0], x.new_zeros(1, *x.shape[2:]))) for x in (q, k, v, g, beta)]  # row T = zero token
+    if initial_state is None:
+        initial_state = q.new_zeros(len(spans), H, K, V, dtype=torch.float32)
+    src = torch.empty(T, dtype=torch.long)  # packed token -> its row in the concatenated bucket outputs
+    outs, states, order, offset = [], [], [], 0
+    for L, members in _varlen_buckets(spans, chunk_size).items():
+        idx = torch.full((len(members), L), T, dtype=torch.long)
+        for r, i in enumerate(members):
+            b, e = spans[i]
+            idx[r, : e - b] = torch.arange(b, e)
+            src[b:e] = torch.arange(offset + r * L, offset + r * L + e - b)
+        idx = idx.to(q.device)
+        xs = [x[idx] for x in padded]
+        o, state = _chunk_fwd_grouped(*xs, scale, use_qk_l2norm_in_kernel, initial_state[members].float(),
+                                      chunk_size)
+        outs.append(o.reshape(-1, H, V))
+        states.append(state)
+        order.extend(members)
+        offset += len(members) * L
+    o = torch.cat(outs)[src.to(q.device)].unsqueeze(0)
+    state = torch.cat(states)[torch.argsort(torch.tensor(order, device=q.device))]
+    return o, state
+
+
+def chunk_kda_torch(
+    q, k, v, g, beta, scale, initial_state=None, output_final_state=False,
+    use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_size=CHUNK_SIZE,
+):
+    """Chunked KDA in plain PyTorch, differentiable through autograd. Exact to fp32 rounding.
+
+    Varlen (`cu_seqlens`) packs run as zero-padded batches of similar length (`_chunk_varlen`).
+    """
+    dtype = v.dtype
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if cu_seqlens is not None:
+        o, state = _chunk_varlen(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
+                                 chunk_size)
+        return o.to(dtype), (state if output_final_state else None)
+
+    pad = -T % chunk_size
+    if pad:
+        q, k, v, g = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
+        beta = F.pad(beta, (0, 0, 0, pad))
+    state = q.new_zeros(B, H, K, V, dtype=torch.float32) if initial_state is None else initial_state.float()
+    o, state = _chunk_fwd_grouped(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, state, chunk_size)
+    return o[:, :T].to(dtype), (state if output_final_state else None)

@@ -6,7 +6,7 @@ computed from the config, and publishes the output folder atomically.
     convert("Kimi-Linear-48B-A3B-Instruct", "kimi-linear-kda-hybrid", source="kimi_linear")
 
 CLI: `python -m kda_hybrid.conversion --from kimi_linear SRC DST` (see `--help`). Not carried by
-checkpoints, so it may live in a sub-package (DESIGN §6).
+checkpoints, so it may live in a sub-package (docs/architecture.md §6).
 """
 
 from .configs import KDA_HYBRID, KIMI_LINEAR, TRANSFORMERS, detect_format, native_to_kimi_dict

@@ -2,7 +2,7 @@
 config.json dict, and the rules that produce those tensors from each source naming.
 
 Our parameter names are exactly the original Kimi-Linear names, so the original format and ours share one
-inventory. transformers' native `kimi_linear` renames and fuses some of them (DESIGN §5); its rules split
+inventory. transformers' native `kimi_linear` renames and fuses some of them (docs/architecture.md §5); its rules split
 them back. A rule maps one whole source tensor to one or more target tensors (fused tensors are split; nothing is ever
 fused, so a rule never waits for a second file); rules are pure functions, so the same rules drive the
 streaming file conversion and the in-memory (meta-tensor) dry run.
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 
 # Tensors kept in float32 whatever the output dtype, as the Hub checkpoint stores them: the decay parameters
-# feed exp/softplus in fp32 (DESIGN §2) and the router bias is added to fp32 sigmoid scores, where bf16's
-# step of 2**-8 near 1 would move expert choices (DESIGN §4).
+# feed exp/softplus in fp32 (docs/architecture.md §2) and the router bias is added to fp32 sigmoid scores, where bf16's
+# step of 2**-8 near 1 would move expert choices (docs/architecture.md §4).
 FP32_SUFFIXES = (".A_log", ".dt_bias", ".e_score_correction_bias")
 
 KDA, MLA = "kda", "mla"

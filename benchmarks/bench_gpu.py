@@ -10,20 +10,20 @@ Times are medians of CUDA-event-timed runs after warm-up. TFLOP/s for KDA use a 
 algorithm (FLOPS_PER_TOKEN below; backward counted as 2x forward), for SDPA 4 B H T^2 D / 2 (causal).
 Decode: one token for each of B sequences per step, state updated in place; bandwidth = state bytes read
 and written (2 B H K V 4) per step over the step time, as a fraction of the device's HBM peak.
-Writes benchmarks/results_gpu.md.
+Writes --out (default benchmarks/results_gpu.md): the environment (command, versions), then the tables.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import platform
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from kda_hybrid.benchmarking import Report, benchmark_parser
 
 K = V = 128
 BT = 64
@@ -197,20 +197,11 @@ def fits(B, H, T, budget_bytes, backward):
     return per < budget_bytes
 
 
-def write_markdown(path, device, peak, fwd, fwdbwd, dec, args):
-    import triton
-
-    try:
-        import fla
-        fla_version = fla.__version__
-    except Exception:  # noqa: BLE001
-        fla_version = "n/a"
+def markdown(device, peak, fwd, fwdbwd, dec) -> list[str]:
     lines = [
         "# KDA on GPU: our Triton kernels vs fla vs causal SDPA",
         "",
-        f"Device: {device} (HBM peak {peak} TB/s); torch {torch.__version__}, triton {triton.__version__}, "
-        f"fla {fla_version}; python {platform.python_version()}. Command: `python benchmarks/bench_gpu.py"
-        f"{' --quick' if args.quick else ''}`; {time.strftime('%Y-%m-%d %H:%M')}.",
+        f"Device: {device} (HBM peak {peak} TB/s).",
         "",
         "bf16 inputs, K = V = 128, q/k L2 norm in kernel, g = logsigmoid(randn). Median ms of CUDA-event timings.",
         "Our backward is Triton throughout (reverse state scan, per-chunk gradients, intra-chunk gated products).",
@@ -235,23 +226,20 @@ def write_markdown(path, device, peak, fwd, fwdbwd, dec, args):
                          f"{fmt(r['bw_tbs'], '.2f')} | {fmt(r['bw_frac'], '.0%')} | {fmt(r['fla'], '.4f')} | "
                          f"{fmt(r['vs_fla'], '.2f')} |")
         lines.append("")
-    with open(path, "w") as f:
-        f.write("\n".join(lines))
-    print(f"wrote {path}")
+    return lines
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = benchmark_parser(__doc__, repeats=10, out=Path(__file__).resolve().parent / "results_gpu.md",
+                          repeats_help="CUDA-event-timed calls per shape (--quick: at most 5)")
     ap.add_argument("--quick", action="store_true", help="a few shapes (about 3 minutes with compilation)")
     ap.add_argument("--peak-bw-tbs", type=float, default=None, help="HBM peak in TB/s (default: by device name)")
-    ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results_gpu.md"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_gpu.py needs a CUDA GPU (torch.cuda.is_available() is False); "
               "for CPU numbers run benchmarks/bench_ops.py")
         sys.exit(1)
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    report = Report(args)
     device = torch.cuda.get_device_name()
     peak = peak_bandwidth(device, args.peak_bw_tbs)
     budget = int(torch.cuda.get_device_properties(0).total_memory * 0.6)
@@ -262,13 +250,13 @@ def main():
         fwd_shapes = [(1, 16, 2048), (1, 16, 8192), (4, 16, 8192), (1, 16, 32768)]
         bwd_shapes = [(1, 16, 2048), (1, 16, 8192)]
         dec_batches, dec_heads = [1, 8, 64], [16]
-        reps = min(args.reps, 5)
+        reps = min(args.repeats, 5)
     else:
         fwd_shapes = [(B, H, T) for H in (16, 32) for B in (1, 2, 4, 8)
                       for T in (2048, 4096, 8192, 16384, 32768, 65536)]
         bwd_shapes = [(B, H, T) for H in (16, 32) for B in (1, 4, 8) for T in (2048, 8192, 32768)]
         dec_batches, dec_heads = [1, 8, 32, 128, 256], [16, 32]
-        reps = args.reps
+        reps = args.repeats
     fwd_shapes = [s for s in fwd_shapes if fits(*s, budget, backward=False)]
     bwd_shapes = [s for s in bwd_shapes if fits(*s, budget, backward=True)]
 
@@ -277,7 +265,9 @@ def main():
     fwdbwd = bench_chunk(bwd_shapes, with_backward=True, reps=max(3, reps // 2))
     dec = bench_decode(dec_batches, dec_heads, peak, reps)
     print(f"total {time.time() - t0:.0f} s")
-    write_markdown(args.out, device, peak, fwd, fwdbwd, dec, args)
+    for line in markdown(device, peak, fwd, fwdbwd, dec):
+        report.print(line)
+    report.write({"device": device, "peak_bw_tbs": peak, "forward": fwd, "forward_backward": fwdbwd, "decode": dec})
 
 
 if __name__ == "__main__":

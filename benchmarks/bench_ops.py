@@ -99,24 +99,25 @@ def kda_flops(T, C=64):
     return 2 * macs * n
 
 
+def time_impl(fwd, has_bwd, T, repeats) -> tuple[float, float | None]:
+    """(forward s, forward+backward s or None) of one implementation at length T, medians."""
+    xs = inputs(T)
+    with torch.no_grad():
+        t_f = timeit(lambda: fwd(*xs), repeats)
+    t_fb = None
+    if has_bwd and T <= 1024:
+        xg = inputs(T, requires_grad=True)
+        t_fb = timeit(lambda: fwd(*xg).sum().backward(), max(1, repeats // 2))
+    return t_f, t_fb
+
+
 def time_all(T, repeats, which):
-    impls = implementations()
     rows = {}
-    for name, (fwd, has_bwd) in impls.items():
+    for name, (fwd, has_bwd) in implementations().items():
         if which and name not in which:
             continue
-        if name == "ours (reference)" and T > 1024:
-            r = max(1, repeats // 3)
-        else:
-            r = repeats
-        xs = inputs(T)
-        with torch.no_grad():
-            t_f = timeit(lambda: fwd(*xs), r)
-        t_fb = None
-        if has_bwd and T <= 1024:
-            xg = inputs(T, requires_grad=True)
-            t_fb = timeit(lambda: fwd(*xg).sum().backward(), max(1, r // 2))
-        rows[name] = (t_f, t_fb)
+        slow = name == "ours (reference)" and T > 1024
+        rows[name] = time_impl(fwd, has_bwd, T, max(1, repeats // 3) if slow else repeats)
     return rows
 
 

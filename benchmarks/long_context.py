@@ -15,7 +15,9 @@ context, for the 6.5M-parameter KDA hybrid (kda_hybrid.shapes) and twins of the 
 Every (model, prompt length) runs in a fresh subprocess so that its peak RSS (getrusage ru_maxrss) is its own.
 The prompt goes through `kda_hybrid.long_context.prefill` in chunks of --chunk tokens (what
 `generate(prefill_chunk_size=...)` does), or in one forward for the "one-shot" series; then --decode-steps
-single-token forwards are timed (median). Writes --out (default benchmarks/results/long_context.md: the
+single-token forwards are timed (median); --repeats prefills per point give their median. The tables end with
+ours / Llama at every length both ran (benchmarks/bench_model.py has the same ratios for one-forward prefills,
+median and range over interleaved runs). Writes --out (default benchmarks/results/long_context.md: the
 environment and the markdown tables, also printed) and beside it the same name with .csv and _*.png. Timings
 are wall clock and process CPU time on whatever machine runs this; on a shared machine prefer the CPU-time
 columns.
@@ -265,6 +267,23 @@ def markdown(rows, labels) -> str:
     return "\n".join(parts)
 
 
+def versus_llama(rows) -> str:
+    """ours / Llama at every length both were measured (both chunked, each in its own process); below 1: ours is
+    faster. benchmarks/bench_model.py gives the same ratios for one-forward prefills, median of several runs."""
+    lengths = sorted({r["tokens"] for r in rows if r["series"] == "ours"} & {r["tokens"] for r in rows
+                                                                              if r["series"] == "llama"})
+    if not lengths:
+        return ""
+    keys = [("prefill_wall_s", "prefill wall"), ("prefill_cpu_s", "prefill CPU"), ("decode_ms", "decode wall"),
+            ("decode_cpu_ms", "decode CPU"), ("cache_bytes", "cache bytes")]
+    parts = ["**ours (6 KDA + 2 MLA) / Llama all-attention, both chunked; below 1: ours is faster (smaller)**", "",
+             "| prompt | " + " | ".join(label for _, label in keys) + " |", "|---|" + "---|" * len(keys)]
+    for n in lengths:
+        cells = [f"{_at(rows, 'ours', n, k) / _at(rows, 'llama', n, k):.2f}" for k, _ in keys]
+        parts.append(f"| {n // K}K | " + " | ".join(cells) + " |")
+    return "\n".join([*parts, ""])
+
+
 def plots(rows, labels, out_dir: Path, stem: str) -> list[Path]:
     import matplotlib
 
@@ -356,6 +375,9 @@ def main():
     pngs = plots(rows, labels, args.out.parent, args.out.stem)
     report.print(f"# measured in {time.perf_counter() - t_start:.0f} s\n")
     report.print(markdown(rows, labels))
+    ratios = versus_llama(rows)
+    if ratios:
+        report.print(ratios)
     report.print("**Targets**\n")
     for line in [*(f"- {v}" for v in targets(rows)), "", *(f"- {n}" for n in notes)]:
         report.print(line)

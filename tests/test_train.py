@@ -343,3 +343,15 @@ def test_lora_trains_adapters_only_and_merges(data):
         merged = peft_model.merge_and_unload()
         assert not any("lora" in n for n, _ in merged.named_parameters())
         torch.testing.assert_close(merged(ids).logits, adapted, rtol=1e-5, atol=1e-5)
+
+
+def test_make_batch_rejects_rows_outside_the_stream():
+    """A row index past the last full row (or negative, or none) is a clear ValueError, not a short or empty row."""
+    tokens = np.arange(100, dtype=np.uint16)  # 2 full rows of 48, a 4-token tail
+    assert training.num_rows(tokens, SEQ_LEN) == 2
+    assert training.make_batch(tokens, [1, 0], SEQ_LEN, bos_id=1)["input_ids"].shape == (2, SEQ_LEN)
+    for rows in ([2], [-1], []):
+        with pytest.raises(ValueError, match=r"rows must be .* in \[0, 2\)"):
+            training.make_batch(tokens, rows, SEQ_LEN, bos_id=1)
+    with pytest.raises(ValueError, match="seq_len must be a positive int"):
+        training.num_rows(tokens, 0)

@@ -10,20 +10,20 @@ Times are medians of CUDA-event-timed runs after warm-up. TFLOP/s for KDA use a 
 algorithm (FLOPS_PER_TOKEN below; backward counted as 2x forward), for SDPA 4 B H T^2 D / 2 (causal).
 Decode: one token for each of B sequences per step, state updated in place; bandwidth = state bytes read
 and written (2 B H K V 4) per step over the step time, as a fraction of the device's HBM peak.
-Writes benchmarks/results_gpu.md.
+Writes --out (default benchmarks/results_gpu.md): the environment (command, versions), then the tables.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import platform
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from kda_hybrid.benchmarking import Report, benchmark_parser
 
 K = V = 128
 BT = 64
@@ -68,7 +68,8 @@ def make_inputs(B, T, H, requires_grad=False, dtype=torch.bfloat16, seed=0):
 
 def load_fla():
     try:
-        from fla.ops.kda import chunk_kda as fla_chunk, fused_recurrent_kda as fla_recurrent
+        from fla.ops.kda import chunk_kda as fla_chunk
+        from fla.ops.kda import fused_recurrent_kda as fla_recurrent
         return fla_chunk, fla_recurrent
     except Exception as err:  # noqa: BLE001 - fla is optional: report and carry on without it
         print(f"fla unavailable ({err!r}); its columns are n/a")
@@ -93,86 +94,97 @@ def ratio(a, b):
     return None if a is None or b is None else a / b
 
 
-def bench_chunk(shapes, with_backward, reps):
+def chunk_row(B, H, T, with_backward, reps, fla_chunk) -> dict:
+    """One chunked shape: ours, fla (when given) and causal SDPA timed on the same inputs. Its tensors live in this
+    call's frame only, so they are freed when it returns."""
     from kda_hybrid import chunk_kda
 
+    xs = make_inputs(B, T, H, requires_grad=with_backward)
+    do = torch.randn(B, T, H, V, device="cuda", dtype=torch.bfloat16)
+    kw = dict(use_qk_l2norm_in_kernel=True)
+
+    def ours():
+        o, _ = chunk_kda(*xs, backend="triton", **kw)
+        if with_backward:
+            o.backward(do)
+
+    def fla():
+        o, _ = fla_chunk(*xs, **kw)
+        if with_backward:
+            o.backward(do)
+
+    qs, ks, vs = (x.detach().transpose(1, 2).contiguous().requires_grad_(with_backward) for x in xs[:3])
+    do_s = do.transpose(1, 2).contiguous()
+
+    def sdpa():
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+        if with_backward:
+            o.backward(do_s)
+
+    t_ours = safe(lambda: timeit(ours, reps=reps))
+    t_fla = safe(lambda: timeit(fla, reps=reps)) if fla_chunk is not None else None
+    t_sdpa = safe(lambda: timeit(sdpa, reps=reps))
+    mult = 3 if with_backward else 1
+    kda_flops = mult * B * T * H * FLOPS_PER_TOKEN
+    sdpa_flops = mult * 4 * B * H * T * T * K / 2
+    return dict(
+        B=B, H=H, T=T, ours=t_ours, fla=t_fla, sdpa=t_sdpa, vs_fla=ratio(t_ours, t_fla),
+        tflops=None if t_ours is None else kda_flops / t_ours / 1e9,
+        sdpa_tflops=None if t_sdpa is None else sdpa_flops / t_sdpa / 1e9,
+    )
+
+
+def bench_chunk(shapes, with_backward, reps):
     fla_chunk, _ = load_fla()
     rows = []
     for B, H, T in shapes:
         print(f"chunk B={B} H={H} T={T}{' fwd+bwd' if with_backward else ''}", flush=True)
-        xs = make_inputs(B, T, H, requires_grad=with_backward)
-        do = torch.randn(B, T, H, V, device="cuda", dtype=torch.bfloat16)
-        kw = dict(use_qk_l2norm_in_kernel=True)
-
-        def ours():
-            o, _ = chunk_kda(*xs, backend="triton", **kw)
-            if with_backward:
-                o.backward(do)
-
-        def fla():
-            o, _ = fla_chunk(*xs, **kw)
-            if with_backward:
-                o.backward(do)
-
-        qs, ks, vs = (x.detach().transpose(1, 2).contiguous().requires_grad_(with_backward) for x in xs[:3])
-        do_s = do.transpose(1, 2).contiguous()
-
-        def sdpa():
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
-            if with_backward:
-                o.backward(do_s)
-
-        t_ours = safe(lambda: timeit(ours, reps=reps))
-        t_fla = safe(lambda: timeit(fla, reps=reps)) if fla_chunk is not None else None
-        t_sdpa = safe(lambda: timeit(sdpa, reps=reps))
-        mult = 3 if with_backward else 1
-        kda_flops = mult * B * T * H * FLOPS_PER_TOKEN
-        sdpa_flops = mult * 4 * B * H * T * T * K / 2
-        rows.append(dict(
-            B=B, H=H, T=T, ours=t_ours, fla=t_fla, sdpa=t_sdpa, vs_fla=ratio(t_ours, t_fla),
-            tflops=None if t_ours is None else kda_flops / t_ours / 1e9,
-            sdpa_tflops=None if t_sdpa is None else sdpa_flops / t_sdpa / 1e9,
-        ))
-        print(f"    ours {fmt(t_ours)} ms  fla {fmt(t_fla)} ms  sdpa {fmt(t_sdpa)} ms  ours/fla {fmt(rows[-1]['vs_fla'], '.2f')}",
-              flush=True)
-        del xs, qs, ks, vs, do, do_s
-        torch.cuda.empty_cache()
+        row = chunk_row(B, H, T, with_backward, reps, fla_chunk)
+        torch.cuda.empty_cache()  # the row's inputs and outputs are gone with chunk_row's frame
+        rows.append(row)
+        print(f"    ours {fmt(row['ours'])} ms  fla {fmt(row['fla'])} ms  sdpa {fmt(row['sdpa'])} ms  "
+              f"ours/fla {fmt(row['vs_fla'], '.2f')}", flush=True)
     return rows
 
 
-def bench_decode(batches, heads, peak_tbs, reps):
+def decode_row(B, H, peak_tbs, reps, fla_recurrent) -> dict:
+    """One decode shape: a step of B sequences, ours updating the state in place, fla (when given) returning it."""
     from kda_hybrid import fused_recurrent_kda
 
+    q, k, v, g, beta = make_inputs(B, 1, H)
+    state = torch.randn(B, H, K, V, device="cuda") * 0.1
+    state_fla = state.clone()
+    kw = dict(use_qk_l2norm_in_kernel=True, output_final_state=True)
+
+    def ours():
+        fused_recurrent_kda(q, k, v, g, beta, initial_state=state, inplace_final_state=True, backend="triton", **kw)
+
+    def fla():
+        fla_recurrent(q, k, v, g, beta, initial_state=state_fla, **kw)
+
+    with torch.no_grad():
+        t_ours = safe(lambda: timeit(ours, warmup=10, reps=max(reps, 50)))
+        t_fla = safe(lambda: timeit(fla, warmup=10, reps=max(reps, 50))) if fla_recurrent else None
+    state_bytes = 2 * B * H * K * V * 4  # fp32 state read and written once per step
+    bw = None if t_ours is None else state_bytes / (t_ours * 1e-3) / 1e12
+    return dict(
+        B=B, H=H, ours=t_ours, fla=t_fla, vs_fla=ratio(t_ours, t_fla),
+        tok_s=None if t_ours is None else B / (t_ours * 1e-3),
+        bw_tbs=bw, bw_frac=None if bw is None else bw / peak_tbs,
+    )
+
+
+def bench_decode(batches, heads, peak_tbs, reps):
     _, fla_recurrent = load_fla()
     rows = []
     for H in heads:
         for B in batches:
             print(f"decode B={B} H={H}", flush=True)
-            q, k, v, g, beta = make_inputs(B, 1, H)
-            state = torch.randn(B, H, K, V, device="cuda") * 0.1
-            state_fla = state.clone()
-            kw = dict(use_qk_l2norm_in_kernel=True, output_final_state=True)
-
-            def ours():
-                fused_recurrent_kda(q, k, v, g, beta, initial_state=state, inplace_final_state=True,
-                                    backend="triton", **kw)
-
-            def fla():
-                fla_recurrent(q, k, v, g, beta, initial_state=state_fla, **kw)
-
-            with torch.no_grad():
-                t_ours = safe(lambda: timeit(ours, warmup=10, reps=max(reps, 50)))
-                t_fla = safe(lambda: timeit(fla, warmup=10, reps=max(reps, 50))) if fla_recurrent else None
-            state_bytes = 2 * B * H * K * V * 4  # fp32 state read and written once per step
-            bw = None if t_ours is None else state_bytes / (t_ours * 1e-3) / 1e12
-            rows.append(dict(
-                B=B, H=H, ours=t_ours, fla=t_fla, vs_fla=ratio(t_ours, t_fla),
-                tok_s=None if t_ours is None else B / (t_ours * 1e-3),
-                bw_tbs=bw, bw_frac=None if bw is None else bw / peak_tbs,
-            ))
-            print(f"    ours {fmt(t_ours, '.4f')} ms ({fmt(rows[-1]['tok_s'], '.0f')} tok/s, "
-                  f"{fmt(bw, '.2f')} TB/s = {fmt(rows[-1]['bw_frac'], '.0%')} of peak)  fla {fmt(t_fla, '.4f')} ms",
-                  flush=True)
+            row = decode_row(B, H, peak_tbs, reps, fla_recurrent)
+            rows.append(row)
+            print(f"    ours {fmt(row['ours'], '.4f')} ms ({fmt(row['tok_s'], '.0f')} tok/s, "
+                  f"{fmt(row['bw_tbs'], '.2f')} TB/s = {fmt(row['bw_frac'], '.0%')} of peak)  "
+                  f"fla {fmt(row['fla'], '.4f')} ms", flush=True)
     return rows
 
 
@@ -197,20 +209,11 @@ def fits(B, H, T, budget_bytes, backward):
     return per < budget_bytes
 
 
-def write_markdown(path, device, peak, fwd, fwdbwd, dec, args):
-    import triton
-
-    try:
-        import fla
-        fla_version = fla.__version__
-    except Exception:  # noqa: BLE001
-        fla_version = "n/a"
+def markdown(device, peak, fwd, fwdbwd, dec) -> list[str]:
     lines = [
         "# KDA on GPU: our Triton kernels vs fla vs causal SDPA",
         "",
-        f"Device: {device} (HBM peak {peak} TB/s); torch {torch.__version__}, triton {triton.__version__}, "
-        f"fla {fla_version}; python {platform.python_version()}. Command: `python benchmarks/bench_gpu.py"
-        f"{' --quick' if args.quick else ''}`; {time.strftime('%Y-%m-%d %H:%M')}.",
+        f"Device: {device} (HBM peak {peak} TB/s).",
         "",
         "bf16 inputs, K = V = 128, q/k L2 norm in kernel, g = logsigmoid(randn). Median ms of CUDA-event timings.",
         "Our backward is Triton throughout (reverse state scan, per-chunk gradients, intra-chunk gated products).",
@@ -219,7 +222,8 @@ def write_markdown(path, device, peak, fwd, fwdbwd, dec, args):
     for title, rows in (("Chunked forward", fwd), ("Chunked forward + backward", fwdbwd)):
         if not rows:
             continue
-        lines += [f"## {title}", "", "| B | H | T | ours ms | fla ms | ours/fla | SDPA ms | ours TFLOP/s | SDPA TFLOP/s |",
+        lines += [f"## {title}", "",
+                  "| B | H | T | ours ms | fla ms | ours/fla | SDPA ms | ours TFLOP/s | SDPA TFLOP/s |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             lines.append(f"| {r['B']} | {r['H']} | {r['T']} | {fmt(r['ours'])} | {fmt(r['fla'])} | "
@@ -235,23 +239,20 @@ def write_markdown(path, device, peak, fwd, fwdbwd, dec, args):
                          f"{fmt(r['bw_tbs'], '.2f')} | {fmt(r['bw_frac'], '.0%')} | {fmt(r['fla'], '.4f')} | "
                          f"{fmt(r['vs_fla'], '.2f')} |")
         lines.append("")
-    with open(path, "w") as f:
-        f.write("\n".join(lines))
-    print(f"wrote {path}")
+    return lines
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = benchmark_parser(__doc__, repeats=10, out=Path(__file__).resolve().parent / "results_gpu.md",
+                          repeats_help="CUDA-event-timed calls per shape (--quick: at most 5)")
     ap.add_argument("--quick", action="store_true", help="a few shapes (about 3 minutes with compilation)")
     ap.add_argument("--peak-bw-tbs", type=float, default=None, help="HBM peak in TB/s (default: by device name)")
-    ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results_gpu.md"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_gpu.py needs a CUDA GPU (torch.cuda.is_available() is False); "
               "for CPU numbers run benchmarks/bench_ops.py")
         sys.exit(1)
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    report = Report(args)
     device = torch.cuda.get_device_name()
     peak = peak_bandwidth(device, args.peak_bw_tbs)
     budget = int(torch.cuda.get_device_properties(0).total_memory * 0.6)
@@ -262,13 +263,13 @@ def main():
         fwd_shapes = [(1, 16, 2048), (1, 16, 8192), (4, 16, 8192), (1, 16, 32768)]
         bwd_shapes = [(1, 16, 2048), (1, 16, 8192)]
         dec_batches, dec_heads = [1, 8, 64], [16]
-        reps = min(args.reps, 5)
+        reps = min(args.repeats, 5)
     else:
         fwd_shapes = [(B, H, T) for H in (16, 32) for B in (1, 2, 4, 8)
                       for T in (2048, 4096, 8192, 16384, 32768, 65536)]
         bwd_shapes = [(B, H, T) for H in (16, 32) for B in (1, 4, 8) for T in (2048, 8192, 32768)]
         dec_batches, dec_heads = [1, 8, 32, 128, 256], [16, 32]
-        reps = args.reps
+        reps = args.repeats
     fwd_shapes = [s for s in fwd_shapes if fits(*s, budget, backward=False)]
     bwd_shapes = [s for s in bwd_shapes if fits(*s, budget, backward=True)]
 
@@ -277,7 +278,9 @@ def main():
     fwdbwd = bench_chunk(bwd_shapes, with_backward=True, reps=max(3, reps // 2))
     dec = bench_decode(dec_batches, dec_heads, peak, reps)
     print(f"total {time.time() - t0:.0f} s")
-    write_markdown(args.out, device, peak, fwd, fwdbwd, dec, args)
+    for line in markdown(device, peak, fwd, fwdbwd, dec):
+        report.print(line)
+    report.write({"device": device, "peak_bw_tbs": peak, "forward": fwd, "forward_backward": fwdbwd, "decode": dec})
 
 
 if __name__ == "__main__":

@@ -1,59 +1,76 @@
-"""The 6.5M-parameter model (benchmarks/shapes.py) against transformers' native KimiLinearForCausalLM with
-the same weights, on CPU: forward of 8192 tokens, and decode ms/token at 256 and 4096 tokens of context.
+"""The 6.5M-parameter KDA hybrid (kda_hybrid.shapes.tiny_6p5m) on CPU, side by side in one process with
 
-    python benchmarks/bench_model.py                 # 1 thread, as docs/architecture.md §7's anchors
-    python benchmarks/bench_model.py --threads 2 --forward-tokens 4096
+1. a same-size transformers `LlamaForCausalLM` (kda_hybrid.shapes.llama_twin_6p5m: hidden 256, 8 layers, 4 heads x
+   64, SwiGLU 512): at each of --contexts, prefill = one forward of the prompt with a cache, decode = median time of
+   --steps single-token forwards on the model's own cache; --repeats runs, the models interleaved within each run so
+   that drift hits both alike; printed as ratios ours / Llama (below 1: ours is faster), median and range over runs;
+2. transformers' native `KimiLinearForCausalLM` with the same weights as ours: a forward of --forward-tokens tokens
+   without cache, and decode at --native-contexts (one run: the native model is slow).
 
-fla is blocked in this process so the native model runs its PyTorch fallbacks (with fla installed it binds
-Triton kernels that crash on CPU tensors); our model never needs fla.
+    python benchmarks/bench_model.py                          # 1 thread, fp32, contexts 256 4096 16384
+    python benchmarks/bench_model.py --contexts 256 1024 --steps 8 --repeats 3 --skip-native
+    python benchmarks/bench_model.py --out benchmarks/results/bench_model.md
+
+Both sections call the models the same way: `model(ids, use_cache=True, logits_to_keep=1)` for the prompt (each
+model builds its own cache), then `model(token, cache=cache, use_cache=True, logits_to_keep=1)` per step. fla is
+blocked in this process (kda_hybrid.benchmarking.native_twin) so the native model runs its PyTorch fallbacks
+(with fla installed it binds Triton kernels that crash on CPU tensors); our model never needs fla.
 """
 
 from __future__ import annotations
 
-import argparse
-import importlib.abc
 import statistics
-import sys
 import time
-from pathlib import Path
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers import LlamaForCausalLM
+
+from kda_hybrid import KDAHybridForCausalLM
+from kda_hybrid.benchmarking import Report, benchmark_parser, native_twin
+from kda_hybrid.shapes import llama_twin_6p5m, tiny_6p5m
 
 
-class _BlockFla(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("fla", "causal_conv1d"):
-            raise ImportError(f"{name} blocked for the native CPU fallback")
-        return None
+@dataclass
+class Contestant:
+    """A model as measured: `step(input_ids [B, 1], cache)` runs one decode forward (default: the model itself).
+    A variant of the same model (a compiled decode step, another cache dtype) is another Contestant; every
+    table and ratio below is built from the list main() assembles."""
+
+    name: str
+    model: torch.nn.Module
+    step: Callable | None = None
+
+    def decode_step(self, tok, cache):
+        fn = self.step or self.model
+        return fn(tok, cache=cache, use_cache=True, logits_to_keep=1)
 
 
-sys.meta_path.insert(0, _BlockFla())
-sys.path.insert(0, str(Path(__file__).parent))
-
-import torch  # noqa: E402
-from transformers import KimiLinearForCausalLM  # noqa: E402
-
-from kda_hybrid import KDAHybridCache, KDAHybridForCausalLM  # noqa: E402
-from shapes import tiny_6p5m  # noqa: E402
-
-
-def native_twin(ours: KDAHybridForCausalLM) -> KimiLinearForCausalLM:
-    """transformers' native model with our weights (original Kimi names; transformers renames on load)."""
-    import tempfile
-
-    from safetensors.torch import save_file
-
-    cfg = ours.config.to_kimi_linear_dict()
-    with tempfile.TemporaryDirectory() as d:
-        import json
-
-        Path(d, "config.json").write_text(json.dumps(cfg))
-        save_file({k: v.contiguous() for k, v in ours.state_dict().items()}, f"{d}/model.safetensors",
-                  metadata={"format": "pt"})
-        native = KimiLinearForCausalLM.from_pretrained(d, dtype=torch.float32)
-    return native.eval()
+def prompt(vocab_size: int, tokens: int) -> torch.Tensor:
+    return torch.randint(3, vocab_size, (1, tokens), generator=torch.Generator().manual_seed(tokens))  # [1, T]
 
 
 @torch.no_grad()
-def time_forward(model, ids, repeats):
+def measure(c: Contestant, ids: torch.Tensor, steps: int) -> tuple[float, float]:
+    """(prefill seconds of `ids` [1, T] in one forward with a cache, median seconds of `steps` greedy decode
+    forwards on that cache)."""
+    t0 = time.perf_counter()
+    out = c.model(ids, use_cache=True, logits_to_keep=1)
+    prefill = time.perf_counter() - t0
+    cache, tok = out.cache, out.logits[:, -1:].argmax(-1)  # [1, 1]
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        out = c.decode_step(tok, cache)
+        times.append(time.perf_counter() - t0)
+        cache, tok = out.cache, out.logits[:, -1:].argmax(-1)
+    return prefill, statistics.median(times)
+
+
+@torch.no_grad()
+def time_forward(model, ids, repeats) -> float:
+    """Fastest of `repeats` forwards of `ids` without a cache, seconds."""
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -62,60 +79,104 @@ def time_forward(model, ids, repeats):
     return min(times)
 
 
-@torch.no_grad()
-def time_decode(model, ctx, steps, make_cache):
-    """Prefill `ctx` tokens, then `steps` single-token forwards; median seconds per token."""
-    ids = torch.randint(3, model.config.vocab_size, (1, ctx), generator=torch.Generator().manual_seed(0))
-    cache = make_cache()
-    out = model(ids, cache=cache, use_cache=True) if cache is not None else model(ids, use_cache=True)
-    cache = out.cache
-    tok = out.logits[:, -1:].argmax(-1)
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        out = model(tok, cache=cache, use_cache=True)
-        times.append(time.perf_counter() - t0)
-        cache, tok = out.cache, out.logits[:, -1:].argmax(-1)
-    return statistics.median(times)
+def spread(values: list[float]) -> str:
+    """'median [min-max]' of ratios; the median alone for one run."""
+    med = statistics.median(values)
+    return f"{med:.2f}" if len(values) == 1 else f"{med:.2f} [{min(values):.2f}-{max(values):.2f}]"
+
+
+def versus_llama(report: Report, contestants: list[Contestant], baseline: Contestant, args) -> dict:
+    """Section 1: every contestant against `baseline` at every context; returns the raw runs."""
+    names = [c.name for c in contestants]
+    runs = {c.name: {n: [] for n in args.contexts} for c in contestants}  # name -> context -> [(prefill, decode)]
+    for c in contestants:  # warm-up: lazy initialisation, first-call allocations
+        measure(c, prompt(c.model.config.vocab_size, 64), 2)
+    for _ in range(args.repeats):
+        for n in args.contexts:
+            for c in contestants:
+                runs[c.name][n].append(measure(c, prompt(c.model.config.vocab_size, n), args.steps))
+    others = [c.name for c in contestants if c is not baseline]
+    report.print(f"\n## Against a same-size Llama (transformers {type(baseline.model).__name__}, "
+                 f"kda_hybrid.shapes.llama_twin_6p5m): median of {args.repeats} run(s), ratios with their [min-max] "
+                 f"over runs; below 1: ours is faster\n")
+    cols = ([f"prefill ms: {n}" for n in names] + [f"prefill {n} / Llama" for n in others]
+            + [f"decode ms/token: {n}" for n in names] + [f"decode {n} / Llama" for n in others])
+    report.print("| context | " + " | ".join(cols) + " |")
+    report.print("|---|" + "---|" * len(cols))
+    for n in args.contexts:
+        cells = []
+        for which in (0, 1):  # 0: prefill, 1: decode
+            cells += [f"{statistics.median(r[which] for r in runs[name][n]) * 1e3:.1f}" for name in names]
+            base = runs[baseline.name][n]
+            cells += [spread([r[which] / b[which] for r, b in zip(runs[name][n], base)]) for name in others]
+        report.print(f"| {n} | " + " | ".join(cells) + " |")
+    return runs
+
+
+def versus_native(report: Report, ours: Contestant, native: Contestant, args) -> dict:
+    """Section 2: ours against transformers' native kimi_linear with the same weights."""
+    ids = prompt(ours.model.config.vocab_size, args.forward_tokens)
+    rows = {}
+    measure(native, prompt(native.model.config.vocab_size, 64), 2)  # warm-up, as ours had in section 1
+    for c, repeats in ((ours, args.repeats), (native, 1)):
+        fwd = time_forward(c.model, ids, repeats)
+        dec = {n: measure(c, prompt(c.model.config.vocab_size, n), args.steps)[1] for n in args.native_contexts}
+        rows[c.name] = (fwd, dec)
+    ctx_cols = " | ".join(f"decode ms/token @ {n}" for n in args.native_contexts)
+    report.print(f"\n## Against transformers' native kimi_linear (same weights, fla blocked): one run; forward "
+                 f"without cache, fastest of {args.repeats} for ours\n")
+    report.print(f"| model | forward {args.forward_tokens} tokens (s) | {ctx_cols} |")
+    report.print("|---|---|" + "---|" * len(args.native_contexts))
+    for name, (fwd, dec) in rows.items():
+        report.print(f"| {name} | {fwd:.2f} | " + " | ".join(f"{dec[n] * 1e3:.1f}" for n in args.native_contexts)
+                     + " |")
+    (f_o, d_o), (f_n, d_n) = rows[ours.name], rows[native.name]
+    report.print(f"\nforward: ours {f_n / f_o:.1f}x faster than native (target >= 5x)")
+    for n in args.native_contexts:
+        report.print(f"decode @ {n}: ours {d_n[n] / d_o[n]:.1f}x faster than native")
+    return {name: {"forward_s": fwd, "decode_s": dec} for name, (fwd, dec) in rows.items()}
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--forward-tokens", type=int, default=8192)
-    p.add_argument("--contexts", type=int, nargs="+", default=[256, 4096])
-    p.add_argument("--steps", type=int, default=24)
-    p.add_argument("--skip-native", action="store_true")
-    args = p.parse_args()
-    torch.set_num_threads(args.threads)
+    parser = benchmark_parser(__doc__, repeats=5, repeats_help="runs of the Llama comparison (and forwards of "
+                                                               "ours against native); figures are medians over runs")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[256, 4096, 16384],
+                   help="prompt lengths for prefill and decode against Llama (default 256 4096 16384)")
+    parser.add_argument("--steps", type=int, default=24, help="decode steps per measurement (default 24)")
+    parser.add_argument("--forward-tokens", type=int, default=8192, help="forward length against native (default 8192)")
+    parser.add_argument("--native-contexts", type=int, nargs="+", default=[256, 4096],
+                   help="decode contexts against native (default 256 4096)")
+    parser.add_argument("--skip-native", action="store_true", help="no comparison with native kimi_linear")
+    args = parser.parse_args()
+    for name in ("contexts", "native_contexts"):
+        if min(getattr(args, name)) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be positive token counts, got {getattr(args, name)}")
+    if args.steps < 1 or args.forward_tokens < 1:
+        parser.error(f"--steps and --forward-tokens must be positive, got {args.steps} and {args.forward_tokens}")
+    report = Report(args)
+
     torch.manual_seed(0)
-    ours = KDAHybridForCausalLM(tiny_6p5m()).eval()
-    n_params = sum(p.numel() for p in ours.parameters())
-    models = {"ours": (ours, lambda: KDAHybridCache(ours.config))}
-    if not args.skip_native:
-        native = native_twin(ours)
-        models["transformers native"] = (native, lambda: None)
-    ids = torch.randint(3, ours.config.vocab_size, (1, args.forward_tokens), generator=torch.Generator().manual_seed(1))
-    print(f"# {n_params / 1e6:.2f}M-parameter KDA hybrid (6 KDA + 2 MLA), fp32, {args.threads} thread(s), "
-          f"torch {torch.__version__}")
-    rows = {}
-    for name, (model, make_cache) in models.items():
-        fwd = time_forward(model, ids, repeats=1 if name != "ours" else 3)
-        dec = {c: time_decode(model, c, args.steps, make_cache) for c in args.contexts}
-        rows[name] = (fwd, dec)
-    ctx_cols = " | ".join(f"decode ms/token @ {c}" for c in args.contexts)
-    print(f"\n| model | forward {args.forward_tokens} tokens (s) | {ctx_cols} |")
-    print("|---|---|" + "---|" * len(args.contexts))
-    for name, (fwd, dec) in rows.items():
-        print(f"| {name} | {fwd:.2f} | " + " | ".join(f"{dec[c] * 1e3:.1f}" for c in args.contexts) + " |")
-    if "transformers native" in rows:
-        (f_o, d_o), (f_n, d_n) = rows["ours"], rows["transformers native"]
-        print(f"\nforward: ours {f_n / f_o:.1f}x faster than native (target >= 5x)")
-        for c in args.contexts:
-            print(f"decode @ {c}: ours {d_n[c] / d_o[c]:.1f}x faster than native")
-    d_o = rows["ours"][1]
+    ours = Contestant("ours", KDAHybridForCausalLM(tiny_6p5m()).eval())
+    torch.manual_seed(0)
+    llama = Contestant("Llama", LlamaForCausalLM(llama_twin_6p5m()).eval())
+    # Variants of ours (say a compiled decode step) join this list and get their own columns and ratios.
+    contestants = [ours, llama]
+    n_ours = sum(w.numel() for w in ours.model.parameters())
+    n_llama = sum(w.numel() for w in llama.model.parameters())
+    report.print(f"# CPU fp32, batch 1, {args.threads} thread(s); ours: {n_ours / 1e6:.2f}M-parameter KDA hybrid "
+                 f"(6 KDA + 2 MLA); Llama: {n_llama / 1e6:.2f}M, attention "
+                 f"{llama.model.config._attn_implementation}; {args.steps} decode steps per measurement")
+
+    runs = versus_llama(report, contestants, llama, args)
+    d_o = {n: statistics.median(r[1] for r in runs[ours.name][n]) for n in args.contexts}
     lo, hi = min(args.contexts), max(args.contexts)
-    print(f"ours: decode @ {hi} / decode @ {lo} = {d_o[hi] / d_o[lo]:.2f} (target <= 1.15)")
+    report.print(f"\nours: decode @ {hi} / decode @ {lo} = {d_o[hi] / d_o[lo]:.2f} (target <= 1.15)")
+    native = None
+    if not args.skip_native:
+        native = versus_native(report, ours, Contestant("transformers native", native_twin(ours.model)), args)
+    report.write({"versus_llama": {name: {str(n): [{"prefill_s": pre, "decode_s": dec} for pre, dec in rs]
+                                          for n, rs in by_ctx.items()} for name, by_ctx in runs.items()},
+                  "versus_native": native})
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """KDA ops on CPU, side by side: our chunked torch path vs our reference, fla's naive functions and
-transformers' native torch fallbacks. fp32, 1 thread, B=1, H=4, K=V=128.
+transformers' native torch fallbacks. fp32, 1 thread (--threads), B=1, H=4, K=V=128.
 
     python benchmarks/bench_ops.py                 # T = 1024 and 4096, forward and forward+backward, memory
-    python benchmarks/bench_ops.py --T 1024 --repeats 3 --no-memory
+    python benchmarks/bench_ops.py --T 1024 --repeats 3 --no-memory --out bench_ops.json
 
 Prints medians, ratios against the fastest anchor, our GFLOP/s against the machine's measured fp32 matmul
 rate, and peak extra memory of one forward (each in a fresh subprocess: RSS high-water mark minus the RSS
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import re
 import statistics
 import subprocess
 import sys
@@ -21,6 +21,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+from kda_hybrid.benchmarking import Report, benchmark_parser
 
 B, H, K, V = 1, 4, 128, 128
 
@@ -97,77 +99,88 @@ def kda_flops(T, C=64):
     return 2 * macs * n
 
 
+def time_impl(fwd, has_bwd, T, repeats) -> tuple[float, float | None]:
+    """(forward s, forward+backward s or None) of one implementation at length T, medians."""
+    xs = inputs(T)
+    with torch.no_grad():
+        t_f = timeit(lambda: fwd(*xs), repeats)
+    t_fb = None
+    if has_bwd and T <= 1024:
+        xg = inputs(T, requires_grad=True)
+        t_fb = timeit(lambda: fwd(*xg).sum().backward(), max(1, repeats // 2))
+    return t_f, t_fb
+
+
 def time_all(T, repeats, which):
-    impls = implementations()
     rows = {}
-    for name, (fwd, has_bwd) in impls.items():
+    for name, (fwd, has_bwd) in implementations().items():
         if which and name not in which:
             continue
-        if name == "ours (reference)" and T > 1024:
-            r = max(1, repeats // 3)
-        else:
-            r = repeats
-        xs = inputs(T)
-        with torch.no_grad():
-            t_f = timeit(lambda: fwd(*xs), r)
-        t_fb = None
-        if has_bwd and T <= 1024:
-            xg = inputs(T, requires_grad=True)
-            t_fb = timeit(lambda: fwd(*xg).sum().backward(), max(1, r // 2))
-        rows[name] = (t_f, t_fb)
+        slow = name == "ours (reference)" and T > 1024
+        rows[name] = time_impl(fwd, has_bwd, T, max(1, repeats // 3) if slow else repeats)
     return rows
 
 
 def peak_memory(name, T, backward):
-    """Peak extra RSS (bytes) of one call, in a fresh process: the kernel's high-water mark (VmHWM, reset
-    through /proc/self/clear_refs just before the call) minus the resident size before it."""
-    code = f"""
-import json, re, sys, torch
-sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
-torch.set_num_threads(1)
-import bench_ops as b
-def status(key):
-    return int(re.search(key + r":\\s+(\\d+)", open("/proc/self/status").read()).group(1)) * 1024
-impl = b.implementations()[{name!r}][0]
-xs = b.inputs({T}, requires_grad={backward})
-warm = b.inputs(64, requires_grad={backward})
-out = impl(*warm)
-if {backward}: out.sum().backward()
-del out
-open("/proc/self/clear_refs", "w").write("5")
-base = status("VmRSS")
-out = impl(*xs)
-if {backward}: out.sum().backward()
-print(json.dumps(status("VmHWM") - base))
-"""
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    """Peak extra RSS (bytes) of one call, in a fresh process (this script with --memory-probe)."""
+    probe = json.dumps({"name": name, "T": T, "backward": backward})
+    # the same interpreter and environment as this process, so the same kda_hybrid
+    res = subprocess.run([sys.executable, __file__, "--memory-probe", probe], capture_output=True, text=True,
+                         timeout=600)
     if res.returncode:
         print(f"# memory probe for {name} failed: {res.stderr[-300:]}", file=sys.stderr)
         return None
     return int(res.stdout.strip().splitlines()[-1])
 
 
+def memory_probe(spec: dict) -> int:
+    """In the probe process: the kernel's high-water mark of one call (VmHWM, reset through /proc/self/clear_refs
+    just before it) minus the resident size before it."""
+
+    def status(key):
+        with open("/proc/self/status") as f:
+            return int(re.search(key + r":\s+(\d+)", f.read()).group(1)) * 1024
+
+    torch.set_num_threads(1)
+    impl = implementations()[spec["name"]][0]
+    xs = inputs(spec["T"], requires_grad=spec["backward"])
+    out = impl(*inputs(64, requires_grad=spec["backward"]))  # warm-up: first-call allocations
+    if spec["backward"]:
+        out.sum().backward()
+    del out
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    base = status("VmRSS")
+    out = impl(*xs)
+    if spec["backward"]:
+        out.sum().backward()
+    return status("VmHWM") - base
+
+
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = benchmark_parser(__doc__, repeats=7)
     p.add_argument("--T", type=int, nargs="+", default=[1024, 4096])
-    p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--only", nargs="*", default=None, help="implementation names to run")
     p.add_argument("--no-memory", action="store_true")
-    p.add_argument("--json", help="also write the results here")
+    p.add_argument("--memory-probe", help=argparse.SUPPRESS)
     args = p.parse_args()
-    torch.set_num_threads(1)
+    if args.memory_probe:
+        print(json.dumps(memory_probe(json.loads(args.memory_probe))))
+        return
+    report = Report(args)
     peak = matmul_gflops()
-    print(f"# CPU fp32 matmul (1024^3, 1 thread): {peak:.1f} GFLOP/s; torch {torch.__version__}; "
-          f"B={B} H={H} K={K} V={V}, fp32, 1 thread, median of {args.repeats}")
+    report.print(f"# CPU fp32 matmul (1024^3, {args.threads} thread(s)): {peak:.1f} GFLOP/s; "
+                 f"B={B} H={H} K={K} V={V}, fp32, {args.threads} thread(s), median of {args.repeats}")
     results = {"matmul_gflops": peak, "T": {}}
     for T in args.T:
         rows = time_all(T, args.repeats, args.only)
         anchors = {n: r for n, r in rows.items() if not n.startswith("ours")}
         best_f = min((r[0] for r in anchors.values()), default=None)
         best_fb = min((r[1] for r in anchors.values() if r[1] is not None), default=None)
-        print(f"\n## T={T}\n")
-        print("| implementation | fwd ms | fwd vs fastest anchor | fwd+bwd ms | fwd+bwd vs fastest anchor | peak extra MB (fwd) |")
-        print("|---|---|---|---|---|---|")
+        report.print(f"\n## T={T}\n")
+        report.print("| implementation | fwd ms | fwd vs fastest anchor | fwd+bwd ms | fwd+bwd vs fastest anchor "
+                     "| peak extra MB (fwd) |")
+        report.print("|---|---|---|---|---|---|")
         results["T"][T] = {}
         for name, (t_f, t_fb) in rows.items():
             mem = None if args.no_memory else peak_memory(name, T, False)
@@ -175,15 +188,13 @@ def main():
             r_f = f"{best_f / t_f:.1f}x" if best_f else "-"
             r_fb = f"{best_fb / t_fb:.1f}x" if (best_fb and t_fb) else "-"
             m = "-" if mem is None else f"{mem / 2**20:.0f}"
-            print(f"| {name} | {t_f * 1e3:.1f} | {r_f} | {fb} | {r_fb} | {m} |")
+            report.print(f"| {name} | {t_f * 1e3:.1f} | {r_f} | {fb} | {r_fb} | {m} |")
             results["T"][T][name] = {"fwd_s": t_f, "fwd_bwd_s": t_fb, "peak_extra_bytes": mem}
         ours = rows.get("ours (torch chunked)")
         if ours:
             gf = kda_flops(T) / ours[0] / 1e9
-            print(f"\nours: {gf:.1f} GFLOP/s forward = {gf / peak:.0%} of the measured matmul rate")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+            report.print(f"\nours: {gf:.1f} GFLOP/s forward = {gf / peak:.0%} of the measured matmul rate")
+    report.write(results)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
 """Long context on CPU: prefill time and peak RSS vs prompt length, decode ms/token vs context, cache bytes vs
-context, for the 6.5M-parameter KDA hybrid (benchmarks/shapes.py) and twins of the same size:
+context, for the 6.5M-parameter KDA hybrid (kda_hybrid.shapes) and twins of the same size:
 
-    ours (6 KDA + 2 MLA)   the Kimi pattern, tiny_6p5m()
+    ours (6 KDA + 2 MLA)   the Kimi pattern, kda_hybrid.shapes.tiny_6p5m()
     ours KDA-only          the same shape with all 8 layers KDA
     ours all-MLA           the same shape with all 8 layers MLA (our code, only layer_types differ)
-    Llama (all attention)  transformers' LlamaForCausalLM: hidden 256, 8 layers, 4 heads x 64, SwiGLU 512 (6.03M)
+    Llama (all attention)  transformers' LlamaForCausalLM of kda_hybrid.shapes.llama_twin_6p5m(): hidden 256,
+                           8 layers, 4 heads x 64, SwiGLU 512 (6.03M)
     native kimi_linear     transformers' KimiLinearForCausalLM with our hybrid's weights, fla blocked (PyTorch
-                           fallbacks, as benchmarks/bench_model.py); slow, so its lengths stop at --native-max
+                           fallbacks, kda_hybrid.benchmarking.native_twin); slow, so its lengths stop at --native-max
 
     python benchmarks/long_context.py            # full run, ~20-25 min on 1 thread
     python benchmarks/long_context.py --quick    # smaller lengths, < 5 min
@@ -14,9 +15,12 @@ context, for the 6.5M-parameter KDA hybrid (benchmarks/shapes.py) and twins of t
 Every (model, prompt length) runs in a fresh subprocess so that its peak RSS (getrusage ru_maxrss) is its own.
 The prompt goes through `kda_hybrid.long_context.prefill` in chunks of --chunk tokens (what
 `generate(prefill_chunk_size=...)` does), or in one forward for the "one-shot" series; then --decode-steps
-single-token forwards are timed (median). Writes benchmarks/results/long_context.csv, long_context_*.png and
-long_context.md (the markdown tables, also printed). Timings are wall clock and process CPU time on whatever
-machine runs this; on a shared machine prefer the CPU-time columns.
+single-token forwards are timed (median); --repeats prefills per point give their median. The tables end with
+ours / Llama at every length both ran (benchmarks/bench_model.py has the same ratios for one-forward prefills,
+median and range over interleaved runs). Writes --out (default benchmarks/results/long_context.md: the
+environment and the markdown tables, also printed) and beside it the same name with .csv and _*.png. Timings
+are wall clock and process CPU time on whatever machine runs this; on a shared machine prefer the CPU-time
+columns.
 """
 
 from __future__ import annotations
@@ -24,15 +28,15 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import math
-import os
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results"
+from kda_hybrid.benchmarking import Report, benchmark_parser
+
+RESULTS = Path(__file__).resolve().parent / "results"
 K = 1024
 VOCAB = 1536
 
@@ -53,33 +57,24 @@ SERIES = [
 
 
 def build(name: str, seed: int = 0):
-    sys.path.insert(0, str(HERE))
-    if name == "native":
-        import bench_model  # noqa: F401  first: it blocks fla before transformers' kimi_linear is imported
-
     import torch
-    from shapes import tiny_6p5m
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     from kda_hybrid import KDAHybridForCausalLM
+    from kda_hybrid.benchmarking import native_twin
+    from kda_hybrid.shapes import llama_twin_6p5m, tiny_6p5m
 
     torch.manual_seed(seed)
     if name in ("hybrid", "native"):
         model = KDAHybridForCausalLM(tiny_6p5m())
         if name == "native":
-            from bench_model import native_twin
-
             model = native_twin(model)
     elif name == "kda":
         model = KDAHybridForCausalLM(tiny_6p5m(layer_types=["linear_attention"] * 8))
     elif name == "mla":
         model = KDAHybridForCausalLM(tiny_6p5m(layer_types=["full_attention"] * 8))
     elif name == "llama":
-        model = LlamaForCausalLM(LlamaConfig(
-            vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4,
-            num_key_value_heads=4, head_dim=64, max_position_embeddings=512 * K, tie_word_embeddings=False,
-            pad_token_id=0, bos_token_id=1, eos_token_id=2,
-        ))
+        model = LlamaForCausalLM(llama_twin_6p5m())
     else:
         raise ValueError(f"unknown model {name!r}")
     return model.eval()
@@ -115,8 +110,6 @@ def maxrss_bytes() -> int:
 
 
 def worker(spec: dict) -> dict:
-    import statistics
-
     import torch
 
     torch.set_num_threads(spec["threads"])
@@ -131,9 +124,14 @@ def worker(spec: dict) -> dict:
     del logits, cache
     base = maxrss_bytes()
 
-    t0, c0 = time.perf_counter(), time.process_time()
-    logits, cache = prefill(model, ids, chunk_size=chunk)
-    prefill_wall, prefill_cpu = time.perf_counter() - t0, time.process_time() - c0
+    prefill_walls, prefill_cpus = [], []
+    for _ in range(spec["repeats"]):  # a fresh cache each time; the last one is decoded from
+        logits = cache = None  # free the previous prefill's cache first: peak RSS stays one prefill's
+        t0, c0 = time.perf_counter(), time.process_time()
+        logits, cache = prefill(model, ids, chunk_size=chunk)
+        prefill_walls.append(time.perf_counter() - t0)
+        prefill_cpus.append(time.process_time() - c0)
+    prefill_wall, prefill_cpu = statistics.median(prefill_walls), statistics.median(prefill_cpus)
     peak = maxrss_bytes()
     nbytes = cache_bytes(cache)
 
@@ -181,9 +179,10 @@ def run_series(series, args, log) -> tuple[list[dict], str | None]:
                            f"its {budget:.0f} s budget")
                 break
         spec = dict(model=model, tokens=n, chunk=args.chunk if chunked else None, threads=args.threads,
-                    decode_steps=args.decode_steps, decode_warmup=3)
+                    decode_steps=args.decode_steps, decode_warmup=3, repeats=args.repeats)
+        # the same interpreter and environment as this process, so the same kda_hybrid
         proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True,
-                              text=True, env={**os.environ, "PYTHONPATH": str(HERE.parent)})
+                              text=True)
         if proc.returncode != 0:
             stopped = f"failed at {n // K}K (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}"
             break
@@ -268,7 +267,24 @@ def markdown(rows, labels) -> str:
     return "\n".join(parts)
 
 
-def plots(rows, labels, out_dir: Path) -> list[Path]:
+def versus_llama(rows) -> str:
+    """ours / Llama at every length both were measured (both chunked, each in its own process); below 1: ours is
+    faster. benchmarks/bench_model.py gives the same ratios for one-forward prefills, median of several runs."""
+    lengths = sorted({r["tokens"] for r in rows if r["series"] == "ours"} & {r["tokens"] for r in rows
+                                                                              if r["series"] == "llama"})
+    if not lengths:
+        return ""
+    keys = [("prefill_wall_s", "prefill wall"), ("prefill_cpu_s", "prefill CPU"), ("decode_ms", "decode wall"),
+            ("decode_cpu_ms", "decode CPU"), ("cache_bytes", "cache bytes")]
+    parts = ["**ours (6 KDA + 2 MLA) / Llama all-attention, both chunked; below 1: ours is faster (smaller)**", "",
+             "| prompt | " + " | ".join(label for _, label in keys) + " |", "|---|" + "---|" * len(keys)]
+    for n in lengths:
+        cells = [f"{_at(rows, 'ours', n, k) / _at(rows, 'llama', n, k):.2f}" for k, _ in keys]
+        parts.append(f"| {n // K}K | " + " | ".join(cells) + " |")
+    return "\n".join([*parts, ""])
+
+
+def plots(rows, labels, out_dir: Path, stem: str) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -297,7 +313,7 @@ def plots(rows, labels, out_dir: Path) -> list[Path]:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()
-        path = out_dir / f"long_context_{name}.png"
+        path = out_dir / f"{stem}_{name}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(path)
@@ -305,9 +321,9 @@ def plots(rows, labels, out_dir: Path) -> list[Path]:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = benchmark_parser(__doc__, repeats=1, out=RESULTS / "long_context.md",
+                         repeats_help="prefills per (model, length) in its process; the figure is their median")
     p.add_argument("--quick", action="store_true", help="smaller lengths (< 5 min)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per measurement (default 1)")
     p.add_argument("--chunk", type=int, default=4096, help="prefill chunk size (default 4096)")
     p.add_argument("--decode-steps", type=int, default=32)
     p.add_argument("--native-max", type=int, default=16 * K,
@@ -316,7 +332,6 @@ def main():
                    help="scales each series' time budget; a length predicted to overrun it is skipped")
     p.add_argument("--lengths", type=int, nargs="+", help="prompt lengths in K tokens, for every series run")
     p.add_argument("--only", nargs="+", choices=[s[0] for s in SERIES], help="run only these series")
-    p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--report", action="store_true", help="measure nothing: rebuild plots and tables from the CSV")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -324,15 +339,12 @@ def main():
         print(json.dumps(worker(json.loads(args.worker))))
         return
 
-    import torch
-    import transformers
-
-    args.out.mkdir(parents=True, exist_ok=True)
+    report = Report(args)
+    out_csv = args.out.with_suffix(".csv")
     labels = {s[0]: s[1] for s in SERIES}
     chosen = [s for s in SERIES if not args.only or s[0] in args.only]
-    header = (f"# CPU fp32, batch 1, {args.threads} thread(s), chunk {args.chunk}, torch {torch.__version__}, "
-              f"transformers {transformers.__version__}, {os.cpu_count()} CPUs visible")
-    print(header, flush=True)
+    report.print(f"# CPU fp32, batch 1, {args.threads} thread(s) per measurement, chunk {args.chunk}, "
+                 f"{args.repeats} prefill(s) per point")
     rows, notes, t_start = [], [], time.perf_counter()
     for series in chosen if not args.report else []:
         print(f"{series[1]}:", flush=True)
@@ -341,9 +353,8 @@ def main():
         if stopped:
             notes.append(f"{series[1]}: {stopped}")
     if args.only or args.lengths or args.report:  # keep the other rows of an earlier run
-        path = args.out / "long_context.csv"
-        if path.exists():
-            with path.open() as f:
+        if out_csv.exists():
+            with out_csv.open() as f:
                 done = {(r["series"], r["tokens"]) for r in rows}
                 old = [dict(r) for r in csv.DictReader(f) if (r["series"], int(r["tokens"])) not in done]
             for r in old:
@@ -356,22 +367,23 @@ def main():
     rows.sort(key=lambda r: ([s[0] for s in SERIES].index(r["series"]), r["tokens"]))
     fields = ["series", "label", "tokens", "chunk", "params", "prefill_wall_s", "prefill_cpu_s", "peak_rss_mib",
               "base_rss_mib", "decode_ms", "decode_cpu_ms", "cache_bytes", "cache_allocated_after_decode"]
-    with (args.out / "long_context.csv").open("w", newline="") as f:
+    out_csv.parent.mkdir(parents=True, exist_ok=True)
+    with out_csv.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
         w.writerows(rows)
-    pngs = plots(rows, labels, args.out)
-    table = markdown(rows, labels)
-    verdicts = targets(rows)
-    cmd = " ".join(["python benchmarks/long_context.py", *sys.argv[1:]])
-    md = "\n".join([header, f"# command: {cmd} ({time.perf_counter() - t_start:.0f} s)", "", table,
-                    "**Targets**", "", *[f"- {v}" for v in verdicts], "", *[f"- {n}" for n in notes]])
-    (args.out / "long_context.md").write_text(md + "\n")
-    print("\n" + md)
-    print("\nwrote", args.out / "long_context.csv", *pngs, args.out / "long_context.md")
+    pngs = plots(rows, labels, args.out.parent, args.out.stem)
+    report.print(f"# measured in {time.perf_counter() - t_start:.0f} s\n")
+    report.print(markdown(rows, labels))
+    ratios = versus_llama(rows)
+    if ratios:
+        report.print(ratios)
+    report.print("**Targets**\n")
+    for line in [*(f"- {v}" for v in targets(rows)), "", *(f"- {n}" for n in notes)]:
+        report.print(line)
+    report.write()
+    print("wrote", out_csv, *pngs)
 
 
 if __name__ == "__main__":
-    if "--worker" not in sys.argv:
-        sys.path.insert(0, str(HERE.parent))
     main()

@@ -14,7 +14,6 @@ model of the same shape would hold for the same tokens.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
@@ -50,10 +49,8 @@ def load(args):
         except (OSError, ValueError):
             tokenizer = None
         return model.eval(), tokenizer
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    from shapes import tiny_6p5m
-
     from kda_hybrid import KDAHybridForCausalLM
+    from kda_hybrid.shapes import tiny_6p5m
 
     torch.manual_seed(args.seed)
     return KDAHybridForCausalLM(tiny_6p5m()).eval(), None

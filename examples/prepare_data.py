@@ -25,7 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>"]  # ids 0, 1, 2: the ids of benchmarks/shapes.py's configs
+from kda_hybrid.training import bpe_tokenizer
+
+SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>"]  # ids 0, 1, 2: the ids of kda_hybrid.shapes' configs
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 # Test suites are two thirds of the stdlib by size and mostly boilerplate (idlelib and lib2to3 carry their own);
 # encodings/ is 1.4 MB of generated charmap tables.
@@ -51,25 +53,6 @@ def read_text(path: Path) -> str | None:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError:  # a handful of stdlib files are latin-1 test fixtures; not worth learning
         return None
-
-
-def bpe_tokenizer(texts: list[str], vocab_size: int, special_tokens: list[str], bos: str):
-    """A `tokenizers.Tokenizer`: byte-level BPE (any text round-trips) trained on `texts`, the special tokens at ids
-    0, 1, ... in order, and encode() prepending `bos`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=special_tokens, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer)
-    tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
-                                                       special_tokens=[(bos, tok.token_to_id(bos))])
-    assert [tok.token_to_id(t) for t in special_tokens] == list(range(len(special_tokens)))
-    return tok
 
 
 def train_tokenizer(texts: list[str], vocab_size: int):

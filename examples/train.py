@@ -36,74 +36,17 @@ import argparse
 import contextlib
 import json
 import math
-import os
 import shutil
-import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parent.parent
-IGNORE_INDEX = -100
-
+from kda_hybrid.training import evaluate, load_tokens, loss_sum, make_batch, num_rows, rows_for_step, target_count
 
 # ------------------------------------------------------------------------------------------------------
-# Data: packed rows from a token stream
+# Schedule and model (the packed batches, loss and validation are kda_hybrid.training's)
 # ------------------------------------------------------------------------------------------------------
-
-
-def load_tokens(path: Path) -> np.ndarray:
-    return np.memmap(path, dtype=np.uint16, mode="r")
-
-
-def num_rows(tokens: np.ndarray, seq_len: int) -> int:
-    return len(tokens) // seq_len  # the tail shorter than a row is dropped
-
-
-def make_batch(tokens: np.ndarray, rows, seq_len: int, bos_id: int) -> dict[str, torch.Tensor]:
-    """input_ids, position_ids (restarting at each <|bos|> and at each row start) and labels (the input ids, with
-    IGNORE_INDEX where a document starts: that token is not predicted from the previous document) for `rows`."""
-    ids = np.stack([np.asarray(tokens[r * seq_len:(r + 1) * seq_len], dtype=np.int64) for r in rows])
-    starts = ids == bos_id
-    starts[:, 0] = True
-    t = np.arange(seq_len)
-    last_start = np.maximum.accumulate(np.where(starts, t, 0), axis=1)
-    labels = np.where(starts, IGNORE_INDEX, ids)
-    return {"input_ids": torch.from_numpy(ids), "position_ids": torch.from_numpy(t - last_start),
-            "labels": torch.from_numpy(labels)}
-
-
-def target_count(batch) -> int:
-    """Tokens that are predicted: labels[:, 1:] that are not ignored (position t predicts token t + 1)."""
-    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
-
-
-def rows_for_step(step: int, batch_size: int, n_rows: int, seed: int) -> np.ndarray:
-    """The global batch of `step`: consecutive slices of one fixed permutation of the rows per epoch."""
-    out = []
-    first = step * batch_size
-    while len(out) < batch_size:
-        epoch, offset = divmod(first + len(out), n_rows)
-        perm = np.random.default_rng([seed, epoch]).permutation(n_rows)
-        out.extend(perm[offset:offset + batch_size - len(out)].tolist())
-    return np.asarray(out)
-
-
-def loss_sum(model, batch) -> torch.Tensor:
-    """Sum of next-token cross-entropies (fp32) over the batch's targets.
-
-    The rows go in end to end as one row ([1, B * T]; each row starts a document, as its position_ids restart)
-    and without attention_mask, so the model always takes its packed path: varlen KDA and a block-diagonal
-    attention mask. Same result as B separate rows; on CPU it avoids the depthwise conv1d backward of the
-    unpacked path, which costs up to 10x the whole rest of the step (measured at 0.9 s per call, [4, 256, 515]).
-    """
-    logits = model(input_ids=batch["input_ids"].reshape(1, -1), position_ids=batch["position_ids"].reshape(1, -1),
-                   use_cache=False).logits
-    labels = batch["labels"].reshape(1, -1)  # row starts are document starts: never targets across rows
-    return F.cross_entropy(logits[0, :-1].float(), labels[0, 1:], ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def lr_at(step: int, args) -> float:
@@ -114,20 +57,13 @@ def lr_at(step: int, args) -> float:
     return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-# ------------------------------------------------------------------------------------------------------
-# Model
-# ------------------------------------------------------------------------------------------------------
-
-
 def build_model(args, meta: dict):
     if args.model:  # fine-tune: the checkpoint's own code and config
         from transformers import AutoModelForCausalLM
 
         return AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=True, dtype=torch.float32)
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from shapes import tiny_6p5m
-
     from kda_hybrid import KDAHybridForCausalLM
+    from kda_hybrid.shapes import tiny_6p5m
 
     over = {"vocab_size": meta["vocab_size"], "bos_token_id": meta["bos_token_id"],
             "eos_token_id": meta["eos_token_id"], "pad_token_id": meta["pad_token_id"]}
@@ -167,8 +103,8 @@ def shard_model(model, accelerator):
     from torch.distributed.fsdp import fully_shard
 
     if not dist.is_available() or not dist.is_initialized():
-        raise ValueError("--fsdp needs a distributed launch (torchrun --nproc_per_node N examples/train.py --fsdp ...); "
-                         "this is a single process")
+        raise ValueError("--fsdp needs a distributed launch (torchrun --nproc_per_node N examples/train.py "
+                         "--fsdp ...); this is a single process")
     if accelerator.distributed_type.name == "FSDP":
         raise ValueError("--fsdp and an accelerate FSDP config both shard the model: use one of them")
     model.to(accelerator.device)
@@ -236,32 +172,6 @@ def save_final(accelerator, model, model_cls, args, out: Path):
 # ------------------------------------------------------------------------------------------------------
 # Training loop
 # ------------------------------------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def evaluate(accelerator, model, val_tokens, args, bos_id) -> tuple[float, int]:
-    """Mean validation loss over every full row of val.bin (or the first --eval-rows), rows split over ranks, in
-    fp32 whatever --mixed-precision says. Under FSDP every forward is collective (and DDP may sync buffers in
-    one), so every process runs the same number of them: one with no rows left forwards row 0 and drops it."""
-    model.eval()
-    n = num_rows(val_tokens, args.seq_len)
-    n = min(n, args.eval_rows) if args.eval_rows else n
-    total = torch.zeros(2, dtype=torch.float64)
-    world = accelerator.num_processes
-    mine = list(range(accelerator.process_index, n, world))
-    mbs = args.micro_batch_size
-    forwards = math.ceil(math.ceil(n / world) / mbs)  # the same on every process
-    for i in range(0, forwards * mbs, mbs):
-        rows = mine[i:i + mbs]
-        batch = make_batch(val_tokens, rows or [0], args.seq_len, bos_id)
-        batch = {k: v.to(accelerator.device) for k, v in batch.items()}
-        s = loss_sum(model, batch).double().item()  # fp32 weights, no autocast: the exact figure
-        if rows:
-            total[0] += s
-            total[1] += target_count(batch)
-    total = accelerator.reduce(total.to(accelerator.device), "sum").cpu()
-    model.train()
-    return float(total[0] / total[1]), int(total[1])
 
 
 def gradient_sync(accelerator, model, sync: bool, fsdp: bool):
@@ -397,7 +307,8 @@ def main(argv=None) -> dict:
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}")
         if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
-            val_loss, _ = evaluate(accelerator, model, val_tokens, args, bos_id)
+            val_loss, _ = evaluate(accelerator, model, val_tokens, seq_len=args.seq_len,
+                                   micro_batch_size=args.micro_batch_size, bos_id=bos_id, max_rows=args.eval_rows)
             write_log({"step": step, "val_loss": round(val_loss, 5), "val_ppl": round(math.exp(val_loss), 3)})
             accelerator.print(f"\nstep {step}: val loss {val_loss:.4f}, ppl {math.exp(val_loss):.2f}")
         out_of_time = deadline is not None and time.perf_counter() > deadline
@@ -417,7 +328,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", required=True, help="folder written by examples/prepare_data.py")
     p.add_argument("--out", required=True, help="output folder (log.jsonl, checkpoint/, final/)")
-    p.add_argument("--model", help="fine-tune this checkpoint (default: train benchmarks/shapes.py's 6.5M shape)")
+    p.add_argument("--model", help="fine-tune this checkpoint (default: train kda_hybrid.shapes.tiny_6p5m)")
     p.add_argument("--config-json", help='overrides of the 6.5M shape, e.g. \'{"num_hidden_layers": 4}\'')
     p.add_argument("--all-attention", action="store_true", help="every layer full attention (the twin)")
     p.add_argument("--steps", type=int, default=600)

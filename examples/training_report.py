@@ -14,13 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import train  # noqa: E402
+from kda_hybrid.training import load_tokens, loss_sum, make_batch, num_rows, target_count
 
 CONTEXTS = (1024, 8192, 32768)
 
@@ -53,13 +51,13 @@ def run_metrics(run: Path, data: Path, seq_len: int) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     embed = model.get_input_embeddings().weight.numel() + model.get_output_embeddings().weight.numel()
     meta = json.loads((data / "meta.json").read_text())
-    tokens = train.load_tokens(data / "val.bin")
+    tokens = load_tokens(data / "val.bin")
+    n_rows = num_rows(tokens, seq_len)
     total, count = 0.0, 0
-    for i in range(0, train.num_rows(tokens, seq_len), 8):
-        batch = train.make_batch(tokens, range(i, min(i + 8, train.num_rows(tokens, seq_len))), seq_len,
-                                 meta["bos_token_id"])
-        total += float(train.loss_sum(model, batch))
-        count += train.target_count(batch)
+    for i in range(0, n_rows, 8):
+        batch = make_batch(tokens, range(i, min(i + 8, n_rows)), seq_len, meta["bos_token_id"])
+        total += float(loss_sum(model, batch))
+        count += target_count(batch)
     train_log, val_log = read_log(run)
     args = json.loads((run / "args.json").read_text())
     return {

@@ -1,6 +1,7 @@
 """examples/train.py and fine-tuning with the usual tools: DDP and FSDP2 (2 gloo processes) == one process on the
-same global batch, checkpoint/resume == uninterrupted, packed batches leak nothing across documents, transformers.Trainer,
-and peft LoRA on the KDA and MLA projections."""
+same global batch, checkpoint/resume == uninterrupted, packed batches (kda_hybrid.training) leak nothing across
+documents, transformers.Trainer, and peft LoRA on the KDA and MLA projections. The examples run as scripts, in
+subprocesses, as a user runs them."""
 
 from __future__ import annotations
 
@@ -17,13 +18,10 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from kda_hybrid import KDAHybridConfig, KDAHybridForCausalLM, training
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "examples"))
-
-import prepare_data  # noqa: E402
-import train  # noqa: E402
-
-from kda_hybrid import KDAHybridConfig, KDAHybridForCausalLM  # noqa: E402
+EXAMPLES = REPO / "examples"
 
 # 4 layers = 3 KDA + 1 MLA (1-based layer 4), every projection kind present, a few thousand parameters per layer
 TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4, "linear_num_heads": 2,
@@ -51,8 +49,32 @@ def data(tmp_path_factory) -> Path:
         body = "".join(f"    y = x * {j} + {i % 7}  # step {j}\n" for j in range(i % 9))
         (src / f"mod_{i:03d}.py").write_text(f"def f_{i}(x):\n    \"\"\"Function {i}.\"\"\"\n{body}    return x\n")
     out = tmp_path_factory.mktemp("data")
-    prepare_data.prepare(out, source=src, vocab_size=320)
+    run_example("prepare_data.py", "--out", str(out), "--source", str(src), "--vocab-size", "320")
     return out
+
+
+def example_env() -> dict[str, str]:
+    """The examples run as a user runs them, importing this checkout's kda_hybrid, one thread per process."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+
+
+def run_example(script: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """python examples/<script> <args> in a subprocess; with `check`, a failure fails the test with its stderr."""
+    run = subprocess.run([sys.executable, str(EXAMPLES / script), *args], env=example_env(), capture_output=True,
+                         text=True, timeout=300)
+    if check:
+        assert run.returncode == 0, run.stderr[-4000:]
+    return run
+
+
+def run_train(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """examples/train.py in one process of 1 thread (as torchrun_train's processes)."""
+    return run_example("train.py", *args, "--threads", "1", check=check)
+
+
+def read_log(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
 
 
 def train_args(data: Path, out: Path, *extra: str) -> list[str]:
@@ -66,13 +88,13 @@ def final_params(out: Path) -> dict[str, torch.Tensor]:
 
 
 def train_losses(out: Path) -> list[float]:
-    return [r["loss"] for r in map(json.loads, (out / "log.jsonl").read_text().splitlines()) if "loss" in r]
+    return [r["loss"] for r in read_log(out) if "loss" in r]
 
 
 @pytest.fixture(scope="module")
 def single_run(data, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("single")
-    train.main(train_args(data, out))
+    run_train(*train_args(data, out))
     return out
 
 
@@ -84,10 +106,9 @@ def free_port() -> int:
 
 def torchrun_train(*args: str) -> str:
     """examples/train.py under torchrun with 2 gloo processes of 1 thread; returns its output."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           str(REPO / "examples" / "train.py"), *args, "--threads", "1"]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+           str(EXAMPLES / "train.py"), *args, "--threads", "1"]
+    run = subprocess.run(cmd, env=example_env(), capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
     return run.stdout + run.stderr
 
@@ -131,8 +152,7 @@ def test_fsdp_two_processes_with_resume_equal_one(data, single_run, tmp_path):
     # Measured: 1.3e-7. Resuming without the AdamW shards (moments restart from zero) moves parameters by 6.8e-3.
     assert moved < 2e-5, f"max parameter difference {moved:.3g}"
     np.testing.assert_allclose(train_losses(single_run), train_losses(tmp_path), rtol=1e-5)
-    vals = [[r["val_loss"] for r in map(json.loads, (out / "log.jsonl").read_text().splitlines()) if "val_loss" in r]
-            for out in (single_run, tmp_path)]
+    vals = [[r["val_loss"] for r in read_log(out) if "val_loss" in r] for out in (single_run, tmp_path)]
     np.testing.assert_allclose(vals[0], vals[1], rtol=1e-5)  # validation split over 2 sharded processes
 
 
@@ -143,21 +163,20 @@ def test_validation_runs_the_same_forwards_on_every_process(data, monkeypatch):
     from types import SimpleNamespace
 
     model = KDAHybridForCausalLM(KDAHybridConfig(vocab_size=320, **TINY)).eval()
-    val = train.load_tokens(data / "val.bin")
-    assert train.num_rows(val, SEQ_LEN) == 3
-    args = SimpleNamespace(seq_len=SEQ_LEN, eval_rows=0, micro_batch_size=1)
+    val = training.load_tokens(data / "val.bin")
+    assert training.num_rows(val, SEQ_LEN) == 3
     forwards, sums = {}, {}
-    real_loss_sum = train.loss_sum
+    real_loss_sum = training.loss_sum
 
     def run(rank, world):
         def counting(*a):
             forwards[rank, world] = forwards.get((rank, world), 0) + 1
             return real_loss_sum(*a)
 
-        monkeypatch.setattr(train, "loss_sum", counting)
+        monkeypatch.setattr(training, "loss_sum", counting)
         acc = SimpleNamespace(process_index=rank, num_processes=world, device=torch.device("cpu"),
                               reduce=lambda t, _: (sums.__setitem__((rank, world), t.clone()), t)[1])
-        train.evaluate(acc, model, val, args, bos_id=1)
+        training.evaluate(acc, model, val, seq_len=SEQ_LEN, micro_batch_size=1, bos_id=1)
 
     for rank, world in ((0, 1), (0, 2), (1, 2)):
         run(rank, world)
@@ -166,16 +185,17 @@ def test_validation_runs_the_same_forwards_on_every_process(data, monkeypatch):
 
 
 def test_fsdp_needs_a_distributed_launch(data, tmp_path):
-    with pytest.raises(ValueError, match="needs a distributed launch"):
-        train.main(train_args(data, tmp_path, "--fsdp"))
+    run = run_train(*train_args(data, tmp_path, "--fsdp"), check=False)
+    assert run.returncode != 0 and "ValueError: --fsdp needs a distributed launch" in run.stderr, run.stderr[-2000:]
+    assert not list(tmp_path.iterdir())  # refused before anything was written
 
 
 def test_resume_equals_uninterrupted(data, single_run, tmp_path):
     """Stop after step 1 (--max-minutes elapsed at once), resume to step 3: same parameters, bit for bit."""
-    result = train.main(train_args(data, tmp_path, "--max-minutes", "1e-9"))
-    assert result["step"] == 1 and not (tmp_path / "final").exists()
+    run_train(*train_args(data, tmp_path, "--max-minutes", "1e-9"))
+    assert [r["step"] for r in read_log(tmp_path) if "loss" in r] == [1] and not (tmp_path / "final").exists()
     assert json.loads((tmp_path / "checkpoint" / "trainer_state.json").read_text()) == {"step": 1}
-    train.main(train_args(data, tmp_path, "--resume"))
+    run_train(*train_args(data, tmp_path, "--resume"))
     one, resumed = final_params(single_run), final_params(tmp_path)
     for k in one:
         torch.testing.assert_close(resumed[k], one[k], rtol=0, atol=0, msg=k)
@@ -184,10 +204,11 @@ def test_resume_equals_uninterrupted(data, single_run, tmp_path):
 
 def test_bf16_autocast_trains(data, tmp_path):
     """--mixed-precision bf16 (CPU autocast here; the default on GPUs with bf16): finite losses, fp32 validation."""
-    result = train.main(train_args(data, tmp_path, "--mixed-precision", "bf16", "--steps", "2", "--eval-every", "2"))
-    losses = [r["loss"] for r in result["log"] if "loss" in r]
+    run_train(*train_args(data, tmp_path, "--mixed-precision", "bf16", "--steps", "2", "--eval-every", "2"))
+    log = read_log(tmp_path)
+    losses = [r["loss"] for r in log if "loss" in r]
     assert len(losses) == 2 and np.isfinite(losses).all()
-    assert np.isfinite([r["val_loss"] for r in result["log"] if "val_loss" in r]).all()
+    assert np.isfinite([r["val_loss"] for r in log if "val_loss" in r]).all()
 
 
 def test_final_checkpoint_loads_with_remote_code(single_run):
@@ -256,17 +277,17 @@ def test_packed_loss_is_the_per_document_loss():
     docs = [[torch.cat((torch.tensor([1]), torch.randint(3, 64, (n - 1,), generator=gen))) for n in row]
             for row in lengths]
     tokens = np.concatenate([d.numpy() for row in docs for d in row]).astype(np.uint16)
-    batch = train.make_batch(tokens, [0, 1], 96, bos_id=1)
+    batch = training.make_batch(tokens, [0, 1], 96, bos_id=1)
     assert batch["position_ids"][1, :2].tolist() == [0, 0]  # the one-token document, then the next one
     with torch.no_grad():
-        packed = train.loss_sum(model, batch)
+        packed = training.loss_sum(model, batch)
         alone = sum(F.cross_entropy(model(d[None]).logits[0, :-1], d[1:], reduction="sum")
                     for row in docs for d in row)
         torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
-        assert train.target_count(batch) == sum(len(d) - 1 for row in docs for d in row)
+        assert training.target_count(batch) == sum(len(d) - 1 for row in docs for d in row)
         # the same tokens as two plain rows (state and attention flow across documents) give another loss
         leaky = F.cross_entropy(model(batch["input_ids"]).logits[:, :-1].flatten(0, 1),
-                                batch["labels"][:, 1:].flatten(), ignore_index=train.IGNORE_INDEX, reduction="sum")
+                                batch["labels"][:, 1:].flatten(), ignore_index=training.IGNORE_INDEX, reduction="sum")
         assert abs(float(leaky - alone)) > 1e-2
 
 
@@ -303,10 +324,10 @@ def test_lora_trains_adapters_only_and_merges(data):
     assert wrapped == set(LORA_TARGETS)
     trainable = [p for p in peft_model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-2)
-    tokens = train.load_tokens(data / "train.bin")
+    tokens = training.load_tokens(data / "train.bin")
     for step in range(3):
-        batch = train.make_batch(tokens, [2 * step, 2 * step + 1], SEQ_LEN, meta["bos_token_id"])
-        (train.loss_sum(peft_model, batch) / train.target_count(batch)).backward()
+        batch = training.make_batch(tokens, [2 * step, 2 * step + 1], SEQ_LEN, meta["bos_token_id"])
+        (training.loss_sum(peft_model, batch) / training.target_count(batch)).backward()
         optimizer.step()
         optimizer.zero_grad()
     state = peft_model.state_dict()
@@ -322,3 +343,15 @@ def test_lora_trains_adapters_only_and_merges(data):
         merged = peft_model.merge_and_unload()
         assert not any("lora" in n for n, _ in merged.named_parameters())
         torch.testing.assert_close(merged(ids).logits, adapted, rtol=1e-5, atol=1e-5)
+
+
+def test_make_batch_rejects_rows_outside_the_stream():
+    """A row index past the last full row (or negative, or none) is a clear ValueError, not a short or empty row."""
+    tokens = np.arange(100, dtype=np.uint16)  # 2 full rows of 48, a 4-token tail
+    assert training.num_rows(tokens, SEQ_LEN) == 2
+    assert training.make_batch(tokens, [1, 0], SEQ_LEN, bos_id=1)["input_ids"].shape == (2, SEQ_LEN)
+    for rows in ([2], [-1], []):
+        with pytest.raises(ValueError, match=r"rows must be .* in \[0, 2\)"):
+            training.make_batch(tokens, rows, SEQ_LEN, bos_id=1)
+    with pytest.raises(ValueError, match="seq_len must be a positive int"):
+        training.num_rows(tokens, 0)

@@ -11,14 +11,11 @@ import functools
 import itertools
 import json
 import os.path
-import sys
-from pathlib import Path
 
 from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-from prepare_data import bpe_tokenizer  # noqa: E402  (examples/prepare_data.py trains the shipped tokenizer)
+from kda_hybrid.training import bpe_tokenizer  # the builder of the shipped tokenizer too
 
 VOCAB_SIZE = 384  # 256 byte symbols + 5 specials + ~120 merges: fast to train, still merges real words
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>"]

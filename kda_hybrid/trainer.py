@@ -1,0 +1,327 @@
+"""The training loop of examples/train.py and examples/distill.py: packed batches, gradient accumulation, DDP
+through accelerate or FSDP2 (`--fsdp`), bf16 autocast, checkpoints and `--resume`, validation, the final
+`save_pretrained`. Not carried by checkpoints (modeling never imports it).
+
+    fit(args, build_model)                       # next-token loss (training.loss_sum)
+    fit(args, build_model, loss_fn=my_loss)      # any loss summed over the batch's tokens
+
+`args` is the namespace of `add_arguments` (the options of examples/train.py). `build_model(meta)` builds the model
+to train after the seeds are set (meta: the data folder's meta.json). `loss_fn(model, batch)` returns the loss
+SUMMED over the batch's targets (a scalar tensor), or that and a dict of named parts (also sums) to log; the loop
+divides by the number of target tokens in the global batch, so any number of processes and micro-batches give the
+same gradient (up to float summation order). Parameters with requires_grad=False are not trained.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from .training import evaluate, load_tokens, loss_sum, make_batch, num_rows, rows_for_step, target_count
+
+
+def lr_at(step: int, args) -> float:
+    """Linear warmup over `warmup` steps, then cosine from lr down to lr * min_lr_ratio at the last step."""
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def param_groups(model, weight_decay: float):
+    """Weight decay on matrices only: not on norms, biases or the KDA decay parameters (A_log, dt_bias)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if p.dim() < 2 or name.endswith(("A_log", "dt_bias")) or "norm" in name:
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+# ------------------------------------------------------------------------------------------------------
+# FSDP2 (--fsdp): torch.distributed.fsdp.fully_shard, sharded checkpoints through torch.distributed.checkpoint
+# ------------------------------------------------------------------------------------------------------
+
+
+def shard_model(model, accelerator):
+    """fully_shard each block the model names in `_no_split_modules` (the decoder layers), then the root (embeddings,
+    final norm, head). Forward and backward all-gather one layer at a time; gradients are reduce-scattered (averaged
+    over processes, as DDP does) and AdamW then keeps only its shard of the moments."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("--fsdp needs a distributed launch (torchrun --nproc_per_node N examples/train.py "
+                         "--fsdp ...); this is a single process")
+    if accelerator.distributed_type.name == "FSDP":
+        raise ValueError("--fsdp and an accelerate FSDP config both shard the model: use one of them")
+    model.to(accelerator.device)
+    mesh = init_device_mesh(accelerator.device.type, (accelerator.num_processes,))
+    blocks = set(getattr(model, "_no_split_modules", None) or ())
+    units = [m for m in model.modules() if type(m).__name__ in blocks]
+    if not units:
+        raise ValueError(f"--fsdp: no module of the classes in {type(model).__name__}._no_split_modules={blocks}")
+    for unit in units:
+        fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def save_sharded(model, optimizer, path: Path):
+    """Every process writes its shards of the model and of the optimizer state (collective)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(path))
+
+
+def load_sharded(model, optimizer, path: Path):
+    """Reads a save_sharded checkpoint back into the sharded model and optimizer (collective; any world size)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optim_state}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def full_state_dict(accelerator, model, fsdp: bool) -> dict[str, torch.Tensor]:
+    """The whole, unsharded state dict on the main process (collective under FSDP; others get an empty dict)."""
+    if not fsdp:
+        return accelerator.get_state_dict(model)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def save_final(accelerator, model, model_cls, args, out: Path):
+    """save_pretrained of the trained weights (full state dict, also under FSDP), tokenizer, generation config."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    state = full_state_dict(accelerator, model, args.fsdp)
+    if not accelerator.is_main_process:
+        return
+    unwrapped = accelerator.unwrap_model(model)
+    if hasattr(unwrapped, "merge_and_unload"):  # a peft model (LoRA): save the base model with the adapters merged
+        unwrapped = unwrapped.merge_and_unload()
+        state = unwrapped.state_dict()
+    fresh = model_cls(unwrapped.config)  # the model's own class: fully_shard swaps in an FSDP subclass
+    fresh.load_state_dict({k: v.float() for k, v in state.items()})
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.save_dtype]
+    fresh.to(dtype)  # A_log and dt_bias stay fp32 (the model keeps them so through .to)
+    fresh.generation_config = GenerationConfig(
+        do_sample=True, temperature=0.7, top_p=0.95, top_k=50, repetition_penalty=1.1, max_new_tokens=128,
+        bos_token_id=fresh.config.bos_token_id, eos_token_id=fresh.config.eos_token_id,
+        pad_token_id=fresh.config.pad_token_id,
+    )
+    fresh.save_pretrained(out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(args.data).save_pretrained(out)
+
+
+def gradient_sync(accelerator, model, sync: bool, fsdp: bool):
+    """Reduce gradients over processes only on the last micro-batch of a step (accumulate locally before)."""
+    if fsdp:
+        model.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+    return contextlib.nullcontext() if sync else accelerator.no_sync(model)
+
+
+def read_log(path: Path, upto_step: int) -> list[dict]:
+    if not path.exists():
+        return []
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r["step"] <= upto_step]
+
+
+def fit(args, build_model, *, loss_fn=None) -> dict:
+    """Train `build_model(meta)` as the module docstring says; returns {step, log, params}."""
+    loss_fn = loss_fn or loss_sum
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from tqdm.auto import tqdm
+
+    mixed = args.mixed_precision
+    if mixed == "auto":
+        mixed = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() and not args.cpu else "no"
+    # Autocast here rather than Accelerator(mixed_precision=...), which wraps forward for evaluation too; weights,
+    # gradients and optimizer state stay fp32, and validation runs in fp32.
+    accelerator = Accelerator(mixed_precision="no", cpu=args.cpu)
+    set_seed(args.seed)
+    world, rank = accelerator.num_processes, accelerator.process_index
+    if args.batch_size % (world * args.micro_batch_size):
+        raise ValueError(f"--batch-size {args.batch_size} must be a multiple of processes x --micro-batch-size "
+                         f"= {world} x {args.micro_batch_size}")
+    out = Path(args.out)
+    data = Path(args.data)
+    meta = json.loads((data / "meta.json").read_text())
+    bos_id = meta["bos_token_id"]
+    train_tokens, val_tokens = load_tokens(data / "train.bin"), load_tokens(data / "val.bin")
+    n_rows = num_rows(train_tokens, args.seq_len)
+
+    model = build_model(meta)
+    if args.gradient_checkpointing:
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2 name
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    n_params = sum(p.numel() for p in model.parameters())
+    model_cls = type(model.get_base_model()) if hasattr(model, "get_base_model") else type(model)  # peft: the base
+    if args.fsdp:
+        model = shard_model(model, accelerator)  # before the optimizer, which must hold the sharded parameters
+    optimizer = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95),
+                                  eps=1e-8)
+    if not args.fsdp:
+        model, optimizer = accelerator.prepare(model, optimizer)
+
+    ckpt = out / "checkpoint"
+    start = 0
+    if args.resume and (ckpt / "trainer_state.json").exists():
+        if args.fsdp:
+            load_sharded(model, optimizer, ckpt)
+        else:
+            accelerator.load_state(str(ckpt))
+        start = json.loads((ckpt / "trainer_state.json").read_text())["step"]
+    log_path = out / "log.jsonl"
+    log = read_log(log_path, start) if args.resume else []
+    if accelerator.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        log_path.write_text("".join(json.dumps(r) + "\n" for r in log))
+        (out / "args.json").write_text(json.dumps(vars(args), indent=1) + "\n")
+        engine = "FSDP2" if args.fsdp else accelerator.distributed_type.name
+        accelerator.print(f"{n_params / 1e6:.2f}M parameters, {world} process(es) ({engine}), {n_rows} rows of "
+                          f"{args.seq_len}, steps {start}..{args.steps}, mixed precision {mixed}")
+
+    def write_log(record):
+        log.append(record)
+        if accelerator.is_main_process:
+            with log_path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def save_checkpoint(step):
+        accelerator.wait_for_everyone()
+        tmp = out / "checkpoint.tmp"
+        if accelerator.is_main_process and tmp.exists():
+            shutil.rmtree(tmp)  # left by a run killed while saving
+        accelerator.wait_for_everyone()
+        if args.fsdp:
+            save_sharded(model, optimizer, tmp)
+        else:
+            accelerator.save_state(str(tmp))
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            (tmp / "trainer_state.json").write_text(json.dumps({"step": step}) + "\n")
+            if ckpt.exists():
+                shutil.rmtree(ckpt)
+            tmp.rename(ckpt)
+        accelerator.wait_for_everyone()
+
+    per_rank = args.batch_size // world
+    t0 = time.perf_counter()
+    deadline = t0 + args.max_minutes * 60 if args.max_minutes else None
+    bar = tqdm(total=args.steps, initial=start, disable=not accelerator.is_main_process, dynamic_ncols=True)
+    step = start
+    while step < args.steps:
+        rows = rows_for_step(step, args.batch_size, n_rows, args.seed)
+        global_targets = target_count(make_batch(train_tokens, rows, args.seq_len, bos_id))
+        mine = rows[rank * per_rank:(rank + 1) * per_rank]
+        lr = lr_at(step, args)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        local = torch.zeros((), dtype=torch.float64)
+        local_parts: dict[str, torch.Tensor] = {}
+        micro = [mine[i:i + args.micro_batch_size] for i in range(0, per_rank, args.micro_batch_size)]
+        for j, micro_rows in enumerate(micro):
+            batch = make_batch(train_tokens, micro_rows, args.seq_len, bos_id)
+            batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+            with gradient_sync(accelerator, model, j == len(micro) - 1, args.fsdp):
+                with torch.autocast(accelerator.device.type, dtype=torch.bfloat16, enabled=mixed == "bf16"):
+                    s, parts = _split(loss_fn(model, batch))
+                # DDP/FSDP average gradients over processes; times `world` makes that the global-batch mean
+                accelerator.backward(s * (world / global_targets))
+            local += s.detach().double().cpu()
+            for name, value in parts.items():
+                local_parts[name] = local_parts.get(name, 0) + value.detach().double().cpu()
+        if args.grad_clip:
+            accelerator.clip_grad_norm_(model.parameters(), args.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        loss = float(accelerator.reduce(local.to(accelerator.device), "sum").cpu()) / global_targets
+        elapsed = time.perf_counter() - t0
+        record = {"step": step, "loss": round(loss, 5), "lr": lr, "tokens": step * args.batch_size * args.seq_len,
+                  "elapsed_s": round(elapsed, 2)}
+        for name, value in sorted(local_parts.items()):
+            total = float(accelerator.reduce(value.to(accelerator.device), "sum").cpu())
+            record[name] = round(total / global_targets, 5)
+        write_log(record)
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}")
+        if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
+            val_loss, _ = evaluate(accelerator, model, val_tokens, seq_len=args.seq_len,
+                                   micro_batch_size=args.micro_batch_size, bos_id=bos_id, max_rows=args.eval_rows)
+            write_log({"step": step, "val_loss": round(val_loss, 5), "val_ppl": round(math.exp(val_loss), 3)})
+            accelerator.print(f"\nstep {step}: val loss {val_loss:.4f}, ppl {math.exp(val_loss):.2f}")
+        out_of_time = deadline is not None and time.perf_counter() > deadline
+        if step == args.steps or out_of_time or (args.save_every and step % args.save_every == 0):
+            save_checkpoint(step)
+        if out_of_time and step < args.steps:
+            accelerator.print(f"\n--max-minutes reached at step {step}; continue with --resume")
+            break
+    bar.close()
+    if step == args.steps:
+        save_final(accelerator, model, model_cls, args, out / "final")
+    accelerator.wait_for_everyone()
+    return {"step": step, "log": log, "params": n_params}
+
+
+def _split(result) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A loss_fn's result: a tensor, or (tensor, {name: tensor})."""
+    if isinstance(result, tuple):
+        loss, parts = result
+        return loss, dict(parts)
+    return result, {}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The loop's options (data, schedule, batching, precision, parallelism, checkpoints), on parser `p`."""
+    p.add_argument("--data", required=True, help="folder written by examples/prepare_data.py")
+    p.add_argument("--out", required=True, help="output folder (log.jsonl, checkpoint/, final/)")
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--batch-size", type=int, default=16, help="rows per step over all processes")
+    p.add_argument("--micro-batch-size", type=int, default=8, help="rows per forward on each process")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--min-lr-ratio", type=float, default=0.1)
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--mixed-precision", choices=("auto", "no", "bf16"), default="auto",
+                   help="bf16 autocast for training forwards; auto: on GPUs that support bf16, else fp32")
+    p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--fsdp", action="store_true",
+                   help="shard parameters, gradients and optimizer state with torch FSDP2 (under torchrun)")
+    p.add_argument("--eval-every", type=int, default=100, help="validation every N steps and at the end (0: never)")
+    p.add_argument("--eval-rows", type=int, default=0, help="validate on the first N rows only (0: all)")
+    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (always at the end)")
+    p.add_argument("--resume", action="store_true", help="continue from --out/checkpoint when it exists")
+    p.add_argument("--max-minutes", type=float, default=0, help="checkpoint and stop after this much wall time")
+    p.add_argument("--save-dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch threads per process (0: torch's default)")
+    p.add_argument("--cpu", action="store_true", help="train on CPU even when a GPU is present")
+    return p

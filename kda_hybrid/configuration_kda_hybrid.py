@@ -16,6 +16,10 @@ _KIMI_ONLY_KEYS = (
 )
 
 
+# RoPE variants of transformers' ROPE_INIT_FUNCTIONS whose inverse frequencies are fixed at construction
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
 def _fail(name, expected, got):
     raise ValueError(f"KDAHybridConfig: {name} must be {expected}, got {got!r}")
 
@@ -52,12 +56,16 @@ class KDAHybridConfig(PretrainedConfig):
         num_key_value_heads: int | None = None,  # GQA key/value heads (default: num_attention_heads)
         head_dim: int | None = None,  # GQA head dim (default: hidden_size // num_attention_heads)
         rope_theta: float = 10000.0,  # GQA RoPE base
+        rope_parameters: dict | None = None,  # GQA RoPE in transformers' form ({"rope_type": "llama3", ...})
+        attention_qk_norm: bool = False,  # GQA: RMSNorm over each head's query and key before RoPE (Qwen3)
+        attention_out_bias: bool | None = None,  # bias on the attention o_proj (None: as attention_bias)
         q_lora_rank: int | None = None,  # MLA low-rank query (None: one q_proj)
         kv_lora_rank: int = 512,  # MLA compressed latent width (cached)
         qk_nope_head_dim: int = 128,  # MLA per-head key/query part from the latent
         qk_rope_head_dim: int = 64,  # MLA shared key part (cached; not rotated under NoPE)
         v_head_dim: int = 128,  # MLA value head dim
-        attention_bias: bool = False,  # bias on attention projections
+        attention_bias: bool = False,  # bias on the full-attention projections
+        linear_attention_bias: bool = False,  # bias on the KDA q/k/v projections (from Qwen2-style sources)
         attention_dropout: float = 0.0,
         # --- MLP / MoE ---
         num_experts: int | None = None,  # routed experts; None or 0: dense MLP everywhere
@@ -136,6 +144,14 @@ class KDAHybridConfig(PretrainedConfig):
         self.num_key_value_heads = num_attention_heads if num_key_value_heads is None else num_key_value_heads
         self.head_dim = hidden_size // num_attention_heads if head_dim is None else head_dim
         self.rope_theta = rope_theta
+        # transformers standardises this dict (adds rope_type and rope_theta) in PretrainedConfig.__init__ and its
+        # ROPE_INIT_FUNCTIONS read it, so scaled RoPE (llama3, yarn, linear) is computed exactly as in the source
+        self.rope_parameters = dict(rope_parameters) if rope_parameters is not None else None
+        if self.rope_parameters is not None and "rope_theta" in self.rope_parameters:
+            self.rope_theta = self.rope_parameters["rope_theta"]  # one base: the dict's, as transformers reads it
+        self.attention_qk_norm = attention_qk_norm
+        self.attention_out_bias = attention_bias if attention_out_bias is None else attention_out_bias
+        self.linear_attention_bias = linear_attention_bias
         self.q_lora_rank = q_lora_rank
         self.kv_lora_rank = kv_lora_rank
         self.qk_nope_head_dim = qk_nope_head_dim
@@ -187,6 +203,16 @@ class KDAHybridConfig(PretrainedConfig):
                       self.num_attention_heads)
             if self.head_dim % 2:
                 _fail("head_dim", "even (RoPE rotates pairs)", self.head_dim)
+            if self.rope_parameters is not None:
+                rope_type = self.rope_parameters.get("rope_type", self.rope_parameters.get("type", "default"))
+                if rope_type not in STATIC_ROPE_TYPES:
+                    _fail("rope_parameters.rope_type", f"one of {STATIC_ROPE_TYPES} (RoPE whose frequencies do not "
+                          "depend on the sequence length)", rope_type)
+        for name in ("attention_bias", "attention_out_bias", "attention_qk_norm", "linear_attention_bias"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(name, "a bool", getattr(self, name))
+        if self.attention_type == "mla" and self.attention_qk_norm:
+            _fail("attention_qk_norm", "False with attention_type='mla' (a GQA option)", self.attention_qk_norm)
         else:
             for name in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
                 positive_int(name)

@@ -91,9 +91,10 @@ class KDAHybridDeltaAttention(nn.Module):
         self.head_dim = K = config.linear_head_dim
         self.conv_size = config.linear_conv_kernel_size
         D = config.hidden_size
-        self.q_proj = nn.Linear(D, H * K, bias=False)
-        self.k_proj = nn.Linear(D, H * K, bias=False)
-        self.v_proj = nn.Linear(D, H * K, bias=False)
+        bias = config.linear_attention_bias
+        self.q_proj = nn.Linear(D, H * K, bias=bias)
+        self.k_proj = nn.Linear(D, H * K, bias=bias)
+        self.v_proj = nn.Linear(D, H * K, bias=bias)
         self.q_conv1d = nn.Conv1d(H * K, H * K, self.conv_size, groups=H * K, bias=False)
         self.k_conv1d = nn.Conv1d(H * K, H * K, self.conv_size, groups=H * K, bias=False)
         self.v_conv1d = nn.Conv1d(H * K, H * K, self.conv_size, groups=H * K, bias=False)
@@ -409,21 +410,40 @@ def _rotate_half(x):
 
 
 class KDAHybridRotaryEmbedding(nn.Module):
+    """RoPE for the GQA layers. Frequencies come from transformers' ROPE_INIT_FUNCTIONS for the config's
+    `rope_parameters` (default, linear, llama3, yarn), so a converted Llama 3 or Qwen model rotates exactly as its
+    source; `attention_scaling` (yarn's magnitude correction, 1 otherwise) multiplies cos and sin as there."""
+
     def __init__(self, config: KDAHybridConfig):
         super().__init__()
-        dim = config.head_dim
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        self.config = config
+        inv_freq, self.attention_scaling = self.compute_inv_freq(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @staticmethod
+    def compute_inv_freq(config: KDAHybridConfig, device=None) -> tuple[torch.Tensor, float]:
+        params = config.rope_parameters or {}
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "default":
+            dim = config.head_dim
+            arange = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float()
+            return 1.0 / (config.rope_theta ** (arange / dim)), 1.0
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device)
+        return inv_freq.float(), float(scaling)
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor):
         freqs = position_ids[..., None].float() * self.inv_freq.float().to(x.device)  # [B, T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
 
 
 class KDAHybridAttention(nn.Module):
-    """Grouped-query attention with RoPE (the option for small and Llama-derived models)."""
+    """Grouped-query attention with RoPE (the option for small and Llama-derived models): optional q/k/v and o
+    biases (Qwen2: q/k/v only), optional per-head RMSNorm of queries and keys before RoPE (Qwen3), a head_dim
+    that need not be hidden_size / heads."""
 
     def __init__(self, config: KDAHybridConfig, layer_idx: int):
         super().__init__()
@@ -439,14 +459,22 @@ class KDAHybridAttention(nn.Module):
         self.q_proj = nn.Linear(D, self.num_heads * self.head_dim, bias=config.attention_bias)
         self.k_proj = nn.Linear(D, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
         self.v_proj = nn.Linear(D, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, D, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, D, bias=config.attention_out_bias)
+        if config.attention_qk_norm:
+            self.q_norm = KDAHybridRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = KDAHybridRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
 
     def forward(self, hidden_states, attention_mask=None, cache_layer: KVLayerState | None = None,
                 position_embeddings=None, cu_seqlens: torch.Tensor | None = None, **kwargs):
         B, T, _ = hidden_states.shape
-        q = self.q_proj(hidden_states).view(B, T, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(hidden_states).view(B, T, -1, self.head_dim).transpose(1, 2)
-        v = self.v_proj(hidden_states).view(B, T, -1, self.head_dim).transpose(1, 2)
+        q = self.q_proj(hidden_states).view(B, T, -1, self.head_dim)  # [B, T, H, D]
+        k = self.k_proj(hidden_states).view(B, T, -1, self.head_dim)  # [B, T, H_kv, D]
+        v = self.v_proj(hidden_states).view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, H_kv, T, D]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         cos, sin = position_embeddings
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         q = q * cos + _rotate_half(q) * sin

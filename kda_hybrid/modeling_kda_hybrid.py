@@ -128,6 +128,8 @@ class KDAHybridPreTrainedModel(PreTrainedModel):
             module.A_log.copy_(torch.empty_like(module.A_log).uniform_(1.0, 16.0).log())
             dt = torch.empty_like(module.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp_min(1e-4)
             module.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+        elif isinstance(module, KDAHybridRotaryEmbedding):  # a non-persistent buffer: recomputed after meta init
+            module.inv_freq.copy_(module.compute_inv_freq(self.config, module.inv_freq.device)[0])
 
 
 class KDAHybridModel(KDAHybridPreTrainedModel):

@@ -15,7 +15,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m kda_hybrid.conversion",
         description="Convert a Kimi Linear checkpoint folder (sharded safetensors + config.json) between Moonshot's "
-                    "original layout, transformers' native kimi_linear and kda_hybrid. Streams one shard at a time.",
+                    "original layout, transformers' native kimi_linear and kda_hybrid, or turn a Llama, Mistral, "
+                    "Qwen2 or Qwen3 checkpoint into a KDA hybrid (--layer-types). Streams one shard at a time.",
     )
     parser.add_argument("src", help="source checkpoint folder")
     parser.add_argument("dst", help="output folder (must not exist unless --overwrite)")
@@ -34,6 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--unbiased-router", dest="biased", action="store_false",
                         help="router weights from the raw sigmoid scores (transformers, vLLM; default for "
                              "--from transformers)")
+    parser.add_argument("--layer-types", default=None, metavar="PATTERN",
+                        help="for a Llama/Mistral/Qwen2/Qwen3 source: one letter per layer, k = KDA (initialised "
+                             "from the layer's attention), A = keep the attention; a shorter pattern repeats "
+                             "(e.g. kkkA)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
@@ -44,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = convert(args.src, args.dst, source=args.source, target=args.target, dtype=args.dtype,
                       max_shard_size=args.max_shard_size, overwrite=args.overwrite,
-                      router_weights_from_biased_scores=args.biased, progress=not args.no_progress)
+                      router_weights_from_biased_scores=args.biased, layer_types=args.layer_types,
+                      progress=not args.no_progress)
     except ConversionError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

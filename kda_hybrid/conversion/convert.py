@@ -10,17 +10,26 @@ import logging
 import shutil
 import tempfile
 from collections import Counter, defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
 import torch
 
 from .checkpoint import FolderSource, Header, MemorySink, MemorySource, ShardWriter, Source, name_list, parse_size
 from .configs import (
-    KDA_HYBRID, SOURCE_FORMATS, TARGET_FORMATS, TRANSFORMERS, detect_format, kda_hybrid_config,
-    kimi_linear_config, read_config, source_router_semantics, source_to_kimi_dict,
+    KDA_HYBRID,
+    SOURCE_FORMATS,
+    TARGET_FORMATS,
+    TRANSFORMERS,
+    detect_format,
+    kda_hybrid_config,
+    kimi_linear_config,
+    read_config,
+    source_router_semantics,
+    source_to_kimi_dict,
 )
+from .from_attention import ATTENTION_SOURCES, KDAInit, hybrid_config, is_attention_source
 from .layout import ConversionError, Group, Rule, Spec, apply_rule, identity_groups, kimi_inventory, native_groups
 
 logger = logging.getLogger("kda_hybrid.conversion")
@@ -146,7 +155,8 @@ def convert_state_dict(tensors: Mapping[str, torch.Tensor] | list[Mapping[str, t
 
 def convert(src, dst, *, source: str | None = None, target: str = KDA_HYBRID, dtype=None,
             max_shard_size: int | str = "5GB", overwrite: bool = False,
-            router_weights_from_biased_scores: bool | None = None, progress: bool = True) -> Path:
+            router_weights_from_biased_scores: bool | None = None, layer_types: str | None = None,
+            kda_init: KDAInit | None = None, progress: bool = True) -> Path:
     """Convert the checkpoint folder `src` into a new folder `dst`.
 
     source: "kimi_linear" (Moonshot's Hub layout), "transformers" (transformers' native kimi_linear, fused or
@@ -156,6 +166,9 @@ def convert(src, dst, *, source: str | None = None, target: str = KDA_HYBRID, dt
         router bias stay float32 either way.
     router_weights_from_biased_scores: routing semantics written into our config; None picks what the
         source's reference code does (original Hub code: True; transformers: False; ours: as saved).
+    layer_types: for a Llama / Mistral / Qwen2 / Qwen3 source (detected from config.json), one letter per layer
+        ('k' = KDA, 'A' = keep the attention) or a pattern repeated to the depth, e.g. "kkkA"
+        (see `from_attention`); kda_init tunes the new KDA layers' starting values.
     Every source tensor must be consumed and every target tensor produced with the expected shape, else
     ConversionError names them all. Output is written to a temporary sibling folder and renamed at the end,
     so a failure leaves nothing behind. An existing `dst` is refused unless `overwrite`.
@@ -176,6 +189,13 @@ def convert(src, dst, *, source: str | None = None, target: str = KDA_HYBRID, dt
 
     raw = read_config(src)
     reader = FolderSource(src)
+    if is_attention_source(raw):
+        return _convert_attention(src, dst, raw, reader, layer_types=layer_types, target=target, cast=cast,
+                                  max_bytes=max_bytes, overwrite=overwrite, kda_init=kda_init or KDAInit(),
+                                  progress=progress)
+    if layer_types is not None:
+        raise ConversionError(f"layer_types (--layer-types) applies to {'/'.join(ATTENTION_SOURCES)} sources; "
+                              f"{src} is a {raw.get('model_type')!r} checkpoint, whose layer types are fixed")
     source_format = source or detect_format(raw, reader.headers)
     kimi = source_to_kimi_dict(raw, source_format)
     inventory = kimi_inventory(kimi)
@@ -218,6 +238,64 @@ def convert(src, dst, *, source: str | None = None, target: str = KDA_HYBRID, dt
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dst
+
+
+def _convert_attention(src: Path, dst: Path, raw: dict, reader: FolderSource, *, layer_types, target, cast,
+                       max_bytes, overwrite, kda_init, progress) -> Path:
+    from .from_attention import AttentionConversionError, check_plan, stream
+
+    if target != KDA_HYBRID:
+        raise ConversionError(f"target: a {raw['model_type']} source converts to {KDA_HYBRID!r} only, got {target!r}")
+    if layer_types is None:
+        raise ConversionError(f"{src} is a {raw['model_type']} checkpoint: pass layer_types (--layer-types), one "
+                              "letter per layer, 'k' = KDA and 'A' = attention, e.g. kkkA")
+    try:
+        config = hybrid_config(raw, layer_types)
+        check_plan(config, raw, reader.headers)
+    except AttentionConversionError as err:
+        raise ConversionError(str(err)) from None
+    main = cast or reader.headers["model.embed_tokens.weight"].dtype
+    config.dtype = str(main).removeprefix("torch.")
+    pattern = "".join("k" if t == "linear_attention" else "A" for t in config.layer_types)
+    logger.info("source format %s, %d tensors -> %s (%s, layers %s)", raw["model_type"], len(reader.headers),
+                KDA_HYBRID, config.dtype, pattern)
+
+    def fill(tmp: Path) -> None:
+        writer = ShardWriter(tmp, max_bytes)
+        stream(config, raw, reader, _CastingSink(writer, cast), init=kda_init, progress=progress)
+        writer.close()
+        _save_kda_hybrid_config(config, tmp)
+        _carry_files(src, tmp, same_format=False)
+
+    _write_folder(dst, fill, overwrite=overwrite)
+    return dst
+
+
+class _CastingSink:
+    """Casts floating tensors to `dtype` (A_log and dt_bias stay float32) on their way to `sink`."""
+
+    def __init__(self, sink, dtype: torch.dtype | None):
+        self.sink, self.dtype = sink, dtype
+
+    def add(self, name: str, tensor: torch.Tensor):
+        keep = self.dtype is None or name.endswith((".A_log", ".dt_bias"))
+        self.sink.add(name, tensor if keep else tensor.to(self.dtype))
+
+
+def _write_folder(dst: Path, fill, *, overwrite: bool) -> None:
+    """Fill a hidden temporary sibling of `dst` with `fill(tmp)`, then publish it (see `_publish`); on any failure
+    the temporary folder is removed and `dst` is left as it was."""
+    if dst.exists() and not overwrite:
+        raise ConversionError(f"{dst} already exists; pass overwrite=True (--overwrite) to replace it")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".partial", dir=dst.parent))
+    try:
+        tmp.chmod(0o755)  # mkdtemp makes it owner-only; the published folder gets the usual permissions
+        fill(tmp)
+        _publish(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _main_dtype(plan: Plan) -> torch.dtype:

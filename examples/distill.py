@@ -1,0 +1,201 @@
+"""Distil a full-attention teacher into the KDA hybrid converted from it, in two stages, on packed documents.
+
+    python -m kda_hybrid.conversion runs/teacher-llama runs/student --layer-types kkkA     # convert (once)
+    python examples/distill.py --stage 1 --teacher runs/teacher-llama --student runs/student \\
+        --data data/stdlib --out runs/distill-1 --steps 100 --lr 1e-3
+    python examples/distill.py --stage 2 --teacher runs/teacher-llama --student runs/distill-1/final \\
+        --data data/stdlib --out runs/distill-2 --steps 200 --lr 3e-4 [--lora-rank 16]
+
+Stage 1, attention transfer: only the KDA layers train. Each one reads the teacher's input to the attention layer it
+replaces and is fitted to that layer's output (mean squared error per token, averaged over the layers), so all
+layers learn at once from the teacher's own residual stream and no error compounds through the student.
+Stage 2, end to end: the whole student (or LoRA adapters on its linear layers, `--lora-rank`) trains on the KL
+divergence from the teacher's next-token distribution (`--temperature`, `--kl-weight`) plus the LM loss
+(`--ce-weight`). This is the two-stage recipe of LoLCATs (Zhang et al., 2024) and RADLADS (Goldstein et al., 2025);
+see docs/from_attention.md.
+
+The loop is kda_hybrid.trainer's, the one examples/train.py runs: the same packed batches (documents never see each
+other: the teacher gets a block-diagonal causal mask, the student its varlen path), gradient accumulation,
+DDP/FSDP2 under torchrun or accelerate, bf16 autocast, `--save-every` checkpoints, `--resume`, validation and
+`final/`. log.jsonl records the stage's loss and its parts (attn_mse; kl and ce) every step.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from kda_hybrid.trainer import add_arguments, fit
+from kda_hybrid.training import IGNORE_INDEX
+
+
+def load(path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=torch.float32)
+
+
+def kda_layer_indices(student) -> list[int]:
+    return [i for i, t in enumerate(student.config.layer_types) if t == "linear_attention"]
+
+
+def block_causal_mask(position_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[B, 1, T, T] additive mask: token q sees token k <= q of its own document (position_ids restart at 0 at every
+    document). transformers' Llama does not split packed documents from position_ids alone under sdpa/eager."""
+    doc = torch.cumsum(position_ids == 0, dim=-1)  # [B, T] document number
+    T = position_ids.shape[-1]
+    allowed = (doc[:, :, None] == doc[:, None, :]) & torch.ones(T, T, dtype=torch.bool, device=doc.device).tril()
+    return torch.zeros(allowed.shape, dtype=dtype, device=doc.device).masked_fill(~allowed, torch.finfo(dtype).min)[
+        :, None]
+
+
+def teacher_forward(teacher, ids, pos):
+    """The teacher's forward on packed rows, never attending across a document boundary."""
+    if getattr(teacher.config, "model_type", None) == "kda_hybrid":  # handles packed position_ids itself
+        return teacher(input_ids=ids, position_ids=pos, use_cache=False)
+    return teacher(input_ids=ids, position_ids=pos, attention_mask=block_causal_mask(pos, torch.float32),
+                   use_cache=False)
+
+
+def _hidden_arg(args, kwargs):
+    return kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+
+
+def _first(output):
+    return output[0] if isinstance(output, tuple) else output
+
+
+class AttentionTransfer:
+    """Stage 1 loss: for every KDA layer i of the student, the teacher's layer-i attention input is fed to the
+    student's KDA layer i (a forward pre-hook swaps it in) and the squared error to the teacher's attention output is
+    summed over tokens, averaged over channels and layers."""
+
+    def __init__(self, teacher, student):
+        self.teacher, self.layers = teacher.eval().requires_grad_(False), kda_layer_indices(student)
+        self.inputs: dict[int, torch.Tensor] = {}
+        self.targets: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        for i in self.layers:
+            t_attn = teacher.model.layers[i].self_attn
+            t_attn.register_forward_pre_hook(self._keep(self.inputs, i, _hidden_arg), with_kwargs=True)
+            t_attn.register_forward_hook(self._keep(self.targets, i, lambda args, kwargs, out: _first(out)),
+                                         with_kwargs=True)
+            s_attn = student.model.layers[i].self_attn
+            s_attn.register_forward_pre_hook(self._swap_in(i), with_kwargs=True)
+            s_attn.register_forward_hook(self._keep(self.outputs, i, lambda args, kwargs, out: _first(out)),
+                                         with_kwargs=True)
+
+    @staticmethod
+    def _keep(store, i, pick):
+        def hook(module, args, kwargs, *out):
+            store[i] = pick(args, kwargs, *out) if out else pick(args, kwargs)
+
+        return hook
+
+    def _swap_in(self, i):
+        def hook(module, args, kwargs):
+            if i not in self.inputs:  # a forward outside the loss (validation, generation): leave it alone
+                return None
+            x = self.inputs[i].to(_hidden_arg(args, kwargs).dtype)
+            if "hidden_states" in kwargs:
+                return args, {**kwargs, "hidden_states": x}
+            return (x, *args[1:]), kwargs
+
+        return hook
+
+    def __call__(self, student, batch):
+        ids, pos = batch["input_ids"].reshape(1, -1), batch["position_ids"].reshape(1, -1)
+        self.teacher.to(ids.device)
+        with torch.no_grad():
+            teacher_forward(self.teacher, ids, pos)
+        try:
+            student(input_ids=ids, position_ids=pos, use_cache=False)
+            err = sum(F.mse_loss(self.outputs[i].float(), self.targets[i].float(), reduction="none").mean(-1).sum()
+                      for i in self.layers) / len(self.layers)
+        finally:
+            self.inputs.clear(), self.targets.clear(), self.outputs.clear()
+        return err, {"attn_mse": err}
+
+
+class LogitDistillation:
+    """Stage 2 loss over the batch's targets: kl_weight * T^2 * KL(teacher_T || student_T) + ce_weight * CE."""
+
+    def __init__(self, teacher, temperature: float, kl_weight: float, ce_weight: float):
+        self.teacher = teacher.eval().requires_grad_(False)
+        self.t, self.kl_weight, self.ce_weight = temperature, kl_weight, ce_weight
+
+    def __call__(self, student, batch):
+        ids, pos = batch["input_ids"].reshape(1, -1), batch["position_ids"].reshape(1, -1)
+        labels = batch["labels"].reshape(1, -1)[0, 1:]
+        keep = labels != IGNORE_INDEX  # position t predicts token t + 1; a document's first token is no target
+        self.teacher.to(ids.device)
+        with torch.no_grad():
+            t_logits = teacher_forward(self.teacher, ids, pos).logits[0, :-1][keep].float()
+        s_logits = student(input_ids=ids, position_ids=pos, use_cache=False).logits[0, :-1][keep].float()
+        kl = F.kl_div(F.log_softmax(s_logits / self.t, -1), F.log_softmax(t_logits / self.t, -1), log_target=True,
+                      reduction="sum") * self.t**2
+        ce = F.cross_entropy(s_logits, labels[keep], reduction="sum")
+        return self.kl_weight * kl + self.ce_weight * ce, {"kl": kl, "ce": ce}
+
+
+def build_student(args):
+    student = load(args.student)
+    if student.config.model_type != "kda_hybrid" or not kda_layer_indices(student):
+        raise ValueError(f"--student {args.student}: expected a KDA hybrid with KDA layers (convert the teacher with "
+                         "python -m kda_hybrid.conversion --layer-types ...)")
+    if args.stage == 1:
+        student.requires_grad_(False)
+        for i in kda_layer_indices(student):
+            student.model.layers[i].self_attn.requires_grad_(True)
+    elif args.lora_rank:
+        from peft import LoraConfig, get_peft_model
+
+        student = get_peft_model(student, LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank,
+                                                     target_modules="all-linear", lora_dropout=0.0))
+    return student
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--stage", type=int, choices=(1, 2), required=True,
+                   help="1: attention transfer (KDA layers only); 2: logit distillation + LM loss")
+    p.add_argument("--teacher", required=True, help="the full-attention model (any causal LM folder)")
+    p.add_argument("--student", required=True, help="the KDA hybrid converted from it (or stage 1's final/)")
+    p.add_argument("--temperature", type=float, default=1.0, help="stage 2: softmax temperature of the KL term")
+    p.add_argument("--kl-weight", type=float, default=1.0, help="stage 2: weight of the KL term")
+    p.add_argument("--ce-weight", type=float, default=1.0, help="stage 2: weight of the LM loss")
+    p.add_argument("--lora-rank", type=int, default=0, help="stage 2: LoRA adapters of this rank (0: full model)")
+    args = add_arguments(p).parse_args(argv)
+    if args.temperature <= 0 or args.kl_weight < 0 or args.ce_weight < 0 or args.lora_rank < 0:
+        p.error("--temperature must be > 0 and --kl-weight, --ce-weight, --lora-rank >= 0")
+    if args.stage == 1 and args.lora_rank:
+        p.error("--lora-rank applies to stage 2 (stage 1 trains the KDA layers whole)")
+    if args.fsdp and args.lora_rank:
+        p.error("--fsdp with --lora-rank is not supported (train LoRA with DDP)")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    state = {}
+
+    def build(meta):
+        state["student"] = build_student(args)
+        state["teacher"] = load(args.teacher)
+        return state["student"]
+
+    def loss(model, batch):
+        if "loss" not in state:  # hooks go on the model the loop trains (after accelerate's prepare they still do)
+            teacher, student = state["teacher"], state["student"]
+            base = student.get_base_model() if hasattr(student, "get_base_model") else student
+            state["loss"] = (AttentionTransfer(teacher, base) if args.stage == 1 else
+                             LogitDistillation(teacher, args.temperature, args.kl_weight, args.ce_weight))
+        return state["loss"](model, batch)
+
+    return fit(args, build, loss_fn=loss)
+
+
+if __name__ == "__main__":
+    main()

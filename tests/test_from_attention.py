@@ -163,3 +163,20 @@ def test_layer_types_are_required_for_an_attention_source_and_refused_for_kimi(t
     hybrid = tmp_path / "hybrid"
     assert cli([str(hybrid), str(tmp_path / "again"), "--layer-types", "kA", "--no-progress"]) == 1
     assert "applies to llama/mistral/qwen2/qwen3 sources" in capsys.readouterr().err
+
+
+def test_all_attention_hybrid_exports_back_to_the_same_llama(tmp_path):
+    from safetensors.torch import load_file
+
+    from kda_hybrid.conversion.to_attention import export_llama
+
+    source, folder = save_source(tmp_path, "llama")
+    hybrid = convert(folder, tmp_path / "hybrid", layer_types="A", progress=False)
+    back = export_llama(hybrid, tmp_path / "back")
+    assert json.loads((back / "config.json").read_text())["model_type"] == "llama"
+    original, exported = load_file(folder / "model.safetensors"), load_file(back / "model.safetensors")
+    assert exported.keys() == original.keys()
+    assert all(torch.equal(exported[n], original[n]) for n in original)
+    with pytest.raises(ConversionError, match="every layer must be full attention"):
+        export_llama(convert(folder, tmp_path / "kA", layer_types="kA", progress=False), tmp_path / "nope")
+    assert not (tmp_path / "nope").exists()

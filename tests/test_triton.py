@@ -370,11 +370,14 @@ def _compile_all_for_sm90(dtype: str) -> list[str]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from kda_hybrid import kda_triton_bwd as ktb
+
     kt = kda_triton
     prec = "ieee" if dtype == "fp32" else "tf32"
     fp32_buffers = ("G", "Akk", "Aqk", "Ai", "w", "u", "h0", "ht", "h", "v_new", "dht", "dh0", "dh", "dv_new",
                     "dq", "dk", "dbeta", "dG", "dAqk", "dAkk")
-    types = dict(cu_seqlens="*i32", chunk_indices="*i32", chunk_offsets="*i32", scale="fp32", T="i32", H="i32",
+    types = dict(cu_seqlens="*i32", chunk_indices="*i32", chunk_offsets="*i32", state_indices="*i32", scale="fp32",
+                 T="i32", H="i32", HV="i32",
                  **{n: "*fp32" for n in fp32_buffers})
     base = dict(K=128, BT=64, BK=128)
     jobs = [
@@ -385,12 +388,13 @@ def _compile_all_for_sm90(dtype: str) -> list[str]:
          kt.SCAN_NUM_STAGES),
         (kt._kda_output_kernel, dict(base, V=128, BV=64, DOT_PREC=prec), 3),
         (kt._kda_fused_recurrent_kernel, dict(K=128, V=128, BK=128, BV=32, IS_VARLEN=False, HAS_H0=True,
-                                              STORE_HT=True, USE_QK_L2NORM=True, L2_EPS=1e-6), 3),
-        (kt._kda_state_bwd_kernel, dict(base, V=128, BV=32, HAS_DHT=True, STORE_DH0=True, DOT_PREC=prec),
+                                              STORE_HT=True, USE_QK_L2NORM=True, L2_EPS=1e-6, HAS_INDICES=True,
+                                              HT_AT_INDEX=True, STATE_V_FIRST=False), 3),
+        (ktb._kda_state_bwd_kernel, dict(base, V=128, BV=32, HAS_DHT=True, STORE_DH0=True, DOT_PREC=prec),
          kt.STATE_BWD_NUM_STAGES),
-        (kt._kda_chunk_bwd_kernel, dict(base, V=128, BV=kt.CHUNK_BWD_BV, DOT_PREC=prec),
+        (ktb._kda_chunk_bwd_kernel, dict(base, V=128, BV=kt.CHUNK_BWD_BV, DOT_PREC=prec),
          kt.CHUNK_BWD_NUM_STAGES, kt.CHUNK_BWD_NUM_WARPS),
-        (kt._kda_intra_bwd_kernel, dict(base, BC=16, DOT_PREC=prec), 3),
+        (ktb._kda_intra_bwd_kernel, dict(base, BC=16, DOT_PREC=prec), 3),
     ]
     lines = []
     for lazy, consts, stages, *warps in jobs:

@@ -423,3 +423,153 @@ def test_kernels_compile_for_sm90(dtype):
     if run.returncode != 0 and "ptxas" in run.stderr and "not found" in run.stderr:
         pytest.skip("triton's bundled ptxas is missing")
     assert run.returncode == 0, run.stderr[-3000:]
+
+
+# ------------------------------------------------------------------------------------------------
+# Stage twins: every Triton stage launcher against its PyTorch twin in kda_stages (same signature), fed the
+# same inputs (the twins' own intermediates), so that a wrong result points at one kernel. Grouped value
+# heads (H = 1, HV = 2) in every stage, packed sequences of 5 and 70 tokens (a partial chunk, a whole chunk,
+# a 6-token tail), g about -20 per token in one head's tokens (strong decay) and one g = -inf reset.
+# ------------------------------------------------------------------------------------------------
+
+from kda_hybrid import kda_stages  # noqa: E402
+
+STAGE_LENS = (5, 70)
+
+
+def _stage_inputs():
+    H, HV, K, V = 1, 2, 16, 32
+    T = sum(STAGE_LENS)
+    q, k, v, g, beta, _ = make_inputs(1, T, HV, K, V, seed=3)
+    q, k = q[:, :, :H], k[:, :, :H]
+    g[:, :, 1] = g[:, :, 1] * 20.0  # value head 1: strong decay
+    g[0, 40, 0] = float("-inf")  # a full reset of value head 0 inside the second sequence's first chunk
+    cu = torch.tensor([0, *torch.tensor(STAGE_LENS).cumsum(0).tolist()], dtype=torch.int32)
+    h0 = torch.randn(len(STAGE_LENS), HV, K, V, generator=torch.Generator().manual_seed(4))
+    gen = torch.Generator().manual_seed(5)
+    do = torch.randn(1, T, HV, V, generator=gen)
+    dht = torch.randn(len(STAGE_LENS), HV, K, V, generator=gen)
+    return [x.to(DEVICE).contiguous() for x in (q, k, v, g, beta, h0, cu, do, dht)]  # launchers take contiguous
+
+
+@pytest.fixture(scope="module")
+def stage_data():
+    """Every intermediate of the forward and backward, from the twins."""
+    q, k, v, g, beta, h0, cu, do, dht = _stage_inputs()
+    st, scale = kda_stages, 0.25
+    layout = kda_triton._chunk_layout(cu, 1, q.shape[1], q.device)
+    G = st.gate_cumsum_ref(g, layout)
+    Akk, Aqk = st.gated_products_ref(q, k, G, beta, scale, layout)
+    Ai, w, u = st.wy_solve_ref(k, v, G, beta, Akk, layout)
+    h, v_new, ht = st.state_scan_ref(k, w, u, G, h0, True, layout)
+    o = st.output_ref(q, G, Aqk, h, v_new, scale, layout, v.dtype)
+    dh, dv_new, dh0 = st.state_scan_bwd_ref(q, k, w, G, Aqk, do, dht, scale, layout, True)
+    dq, dk, dv, dbeta, dG, dAqk, dAkk = st.chunk_bwd_ref(q, k, v, G, beta, h, dh, v_new, dv_new, w, u, Ai, do,
+                                                         scale, layout)
+    dq2, dk2, dbeta2, dg = st.gated_products_bwd_ref(q, k, g, G, beta, dAqk, dAkk, dq, dk, dbeta, dG, scale,
+                                                     layout)
+    return {name: value for name, value in locals().items() if name not in ("st",)}
+
+
+def _lower_mask(layout, T, strict):
+    """[1, T, 1, BT]: the columns of each row's chunk row that the kernels read (c <= position of the row in
+    its chunk, c < it if strict)."""
+    cu, chunk_indices, _ = layout
+    mask = torch.zeros(1, T, 1, kda_triton.CHUNK_SIZE, dtype=torch.bool)
+    for sl, _, _ in kda_stages._chunks((cu.cpu(), chunk_indices.cpu(), None)):
+        for p, t in enumerate(range(sl.start, sl.stop)):
+            mask[0, t, 0, : p + (0 if strict else 1)] = True
+    return mask.to(DEVICE)
+
+
+def _check_stage(name, got, ref, rel=1e-5, mask=None):
+    if mask is not None:
+        got, ref = torch.where(mask, got, 0.0), torch.where(mask, ref, 0.0)
+    assert torch.isfinite(got).all(), f"{name}: non-finite values (an unwritten tile or a NaN exponent)"
+    assert_close_rel(got, ref, rel=rel, name=name)
+
+
+def test_twin_pipeline_matches_reference(stage_data):
+    """The twins composed end to end equal the token-by-token reference (o, final state, every gradient), so
+    they are oracles worth testing the kernels against. GVA: the reference gets q, k repeated per value head."""
+    d = stage_data
+    q, k, v, g, beta, h0 = (d[n].detach().requires_grad_() for n in ("q", "k", "v", "g", "beta", "h0"))
+    rep = v.shape[2] // q.shape[2]
+    o, s = recurrent_kda_reference(q.repeat_interleave(rep, 2), k.repeat_interleave(rep, 2), v, g, beta, 0.25,
+                                   h0, True, cu_seqlens=d["cu"])
+    ((o * d["do"]).sum() + (s * d["dht"]).sum()).backward()
+    assert_close_rel(d["o"], o, name="o")
+    assert_close_rel(d["ht"], s, name="final state")
+    B, T, H, K = q.shape
+    dq = d["dq2"].view(B, T, H, rep, K).sum(3)
+    dk = d["dk2"].view(B, T, H, rep, K).sum(3)
+    for name, got, ref in (("dq", dq, q.grad), ("dk", dk, k.grad), ("dv", d["dv"], v.grad),
+                           ("dg", d["dg"], g.grad), ("dbeta", d["dbeta2"], beta.grad), ("dh0", d["dh0"], h0.grad)):
+        assert torch.isfinite(ref).all(), name
+        assert_close_rel(got, ref, rel=2e-5, name=name)
+
+
+def test_stage_gate_cumsum(stage_data):
+    d = stage_data
+    _check_stage("G", kda_triton._gate_cumsum_fwd(d["g"], d["layout"]), d["G"])
+
+
+def test_stage_gated_products(stage_data):
+    d = stage_data
+    Akk, Aqk = kda_triton._gated_products_fwd(d["q"], d["k"], d["G"], d["beta"], d["scale"], d["layout"])
+    T = d["q"].shape[1]
+    _check_stage("A_kk", Akk, d["Akk"], mask=_lower_mask(d["layout"], T, strict=True))
+    _check_stage("A_qk", Aqk, d["Aqk"], mask=_lower_mask(d["layout"], T, strict=False))
+
+
+def test_stage_wy_solve(stage_data):
+    d = stage_data
+    Ai, w, u = kda_triton._wy_solve_fwd(d["k"], d["v"], d["G"], d["beta"], d["Akk"], d["layout"])
+    for name, got in (("Ai", Ai), ("w", w), ("u", u)):
+        _check_stage(name, got, d[name])
+
+
+def test_stage_state_scan(stage_data):
+    d = stage_data
+    h, v_new, ht = kda_triton._state_scan_fwd(d["k"], d["w"], d["u"], d["G"], d["h0"], True, d["layout"])
+    for name, got in (("h", h), ("v_new", v_new), ("ht", ht)):
+        _check_stage(name, got, d[name])
+
+
+def test_stage_output(stage_data):
+    d = stage_data
+    o = kda_triton._output_fwd(d["q"], d["G"], d["Aqk"], d["h"], d["v_new"], d["scale"], d["layout"], d["v"].dtype)
+    _check_stage("o", o, d["o"])
+
+
+def test_stage_state_scan_bwd(stage_data):
+    from kda_hybrid import kda_triton_bwd
+
+    d = stage_data
+    dh, dv_new, dh0 = kda_triton_bwd._state_scan_bwd(d["q"], d["k"], d["w"], d["G"], d["Aqk"], d["do"], d["dht"],
+                                                     d["scale"], d["layout"], True)
+    for name, got in (("dh", dh), ("dv_new", dv_new), ("dh0", dh0)):
+        _check_stage(name, got, d[name])
+
+
+def test_stage_chunk_bwd(stage_data):
+    from kda_hybrid import kda_triton_bwd
+
+    d = stage_data
+    outs = kda_triton_bwd._chunk_bwd(*(d[n] for n in ("q", "k", "v", "G", "beta", "h", "dh", "v_new", "dv_new",
+                                                      "w", "u", "Ai", "do", "scale", "layout")))
+    T = d["q"].shape[1]
+    masks = dict(dAqk=_lower_mask(d["layout"], T, strict=False), dAkk=_lower_mask(d["layout"], T, strict=True))
+    for name, got in zip(("dq", "dk", "dv", "dbeta", "dG", "dAqk", "dAkk"), outs):
+        _check_stage(name, got, d[name], rel=2e-5 if name == "dG" else 1e-5, mask=masks.get(name))
+
+
+def test_stage_gated_products_bwd(stage_data):
+    from kda_hybrid import kda_triton_bwd
+
+    d = stage_data
+    ins = [d[n].clone() for n in ("dq", "dk", "dbeta", "dG")]  # updated in place by the kernel
+    outs = kda_triton_bwd._gated_products_bwd(d["q"], d["k"], d["g"], d["G"], d["beta"], d["dAqk"], d["dAkk"],
+                                              *ins, d["scale"], d["layout"])
+    for name, got in zip(("dq2", "dk2", "dbeta2", "dg"), outs):
+        _check_stage(name, got, d[name], rel=2e-5 if name == "dg" else 1e-5)

@@ -573,3 +573,203 @@ def test_stage_gated_products_bwd(stage_data):
                                               *ins, d["scale"], d["layout"])
     for name, got in zip(("dq2", "dk2", "dbeta2", "dg"), outs):
         _check_stage(name, got, d[name], rel=2e-5 if name == "dg" else 1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# fla's options on the Triton entry points (issue 17) and g = -inf resets (issue 14), against fla's naive
+# references (fla.ops.kda.naive / gate) and our token-by-token reference, outputs and every gradient.
+# ------------------------------------------------------------------------------------------------
+
+
+def _grads(fn, leaves, do, dht=None):
+    """Run fn() -> (o, s), backprop <o, do> + <s, dht>; returns (o, s, grads of leaves)."""
+    for x in leaves:
+        x.grad = None
+    o, s = fn()
+    loss = (o * do).sum() + ((s * dht).sum() if dht is not None else 0.0)
+    loss.backward()
+    return o.detach(), (None if s is None else s.detach()), [x.grad.clone() for x in leaves]
+
+
+def _compare_all(got, ref, names, rel=2e-5):
+    o, s, grads = got
+    o_ref, s_ref, grads_ref = ref
+    assert_close_rel(o, o_ref, name="o")
+    if s_ref is not None:
+        assert_close_rel(s, s_ref, name="final state")
+    for name, a, b in zip(names, grads, grads_ref):
+        assert torch.isfinite(a).all(), f"d{name} not finite"
+        assert_close_rel(a, b, rel=rel, name=f"d{name}")
+
+
+def test_reset_gate_minus_inf_chunk_and_decode():
+    """g = -inf (a full reset: the state is cleared) at a token inside a chunk, at a chunk's first token, and in
+    one channel only: the Triton chunk path (output, final state, all gradients) and the decode kernel give the
+    reference's result, no NaN."""
+    B, T, H, K, V = 1, 70, 1, 16, 16
+    q, k, v, g, beta, h0 = to_device(make_inputs(B, T, H, K, V, init_state=True, seed=7))
+    g[0, 3, 0, :] = float("-inf")
+    g[0, 64, 0, :] = float("-inf")
+    g[0, 69, 0, 5] = float("-inf")
+    leaves = [x.detach().requires_grad_() for x in (q, k, v, g, beta, h0)]
+    gen = torch.Generator().manual_seed(8)
+    do, dht = torch.randn(B, T, H, V, generator=gen).to(DEVICE), torch.randn(B, H, K, V, generator=gen).to(DEVICE)
+
+    def run(fn):
+        return lambda: fn(*leaves[:5], 0.25, leaves[5], True)
+
+    got = _grads(run(kda_triton.chunk_kda_triton), leaves, do, dht)
+    ref = _grads(run(recurrent_kda_reference), leaves, do, dht)
+    assert torch.isfinite(ref[2][3]).all()
+    _compare_all(got, ref, "q k v g beta h0".split())
+    with torch.no_grad():
+        o, s = kda_triton.fused_recurrent_kda_triton(q, k, v, g, beta, 0.25, h0, True)
+    assert_close_rel(o, ref[0], name="decode o")
+    assert_close_rel(s, ref[1], name="decode state")
+
+
+def test_triton_entry_points_reject_float64_and_unknown_chunk_size():
+    q, k, v, g, beta, _ = make_inputs(1, 3, 1, 16, 16, dtype=torch.float64)
+    for fn in (kda_triton.chunk_kda_triton, kda_triton.fused_recurrent_kda_triton):
+        with pytest.raises(TypeError, match="float64"):
+            fn(q, k, v, g, beta, 0.25)
+    q, k, v, g, beta, _ = make_inputs(1, 3, 1, 16, 16)
+    with pytest.raises(ValueError, match="`chunk_size` must be either 32 or 64 for KDA, got 48"):
+        kda_triton.chunk_kda_triton(q, k, v, g, beta, 0.25, chunk_size=48)
+    with pytest.raises(NotImplementedError, match="chunk_size=32 is not supported by the Triton kernels yet"):
+        kda_triton.chunk_kda_triton(q, k, v, g, beta, 0.25, chunk_size=32)
+    with pytest.raises(ValueError, match="allow_neg_eigval"):
+        kda_triton.chunk_kda_triton(q, k, v, g, beta, 0.25, allow_neg_eigval=True)
+
+
+def _fla_naive():
+    naive = pytest.importorskip("fla.ops.kda.naive")
+    gate = pytest.importorskip("fla.ops.kda.gate")
+    return naive, gate
+
+
+# (gate form, beta form): raw g through fla's gate, beta through sigmoid (2 sigmoid with allow_neg_eigval)
+OPTION_CASES = [
+    pytest.param("softplus", None, id="gva-gate-softplus"),
+    pytest.param("lower_bound", "sigmoid", id="gva-gate-lowerbound-beta-sigmoid"),
+    pytest.param("lower_bound_no_A", "neg_eigval", id="gva-gate-lowerbound-noA-neg-eigval"),
+]
+
+
+@pytest.mark.parametrize("gate_form,beta_form", OPTION_CASES)
+def test_chunk_options_match_fla_naive(gate_form, beta_form):
+    """GVA (H = 1, HV = 2), use_gate_in_kernel with A_log / dt_bias (both gate forms), use_beta_sigmoid_in_kernel
+    and allow_neg_eigval, against fla's naive_kda_gate / naive_kda_lowerbound_gate + naive_recurrent_kda:
+    output, final state and the gradients of q, k, v, raw g, raw beta, A_log, dt_bias, h0."""
+    naive, gate = _fla_naive()
+    B, T, H, HV, K, V = 1, 20, 1, 2, 16, 16
+    q, k, v, g, beta, h0 = make_inputs(B, T, HV, K, V, init_state=True, seed=9)
+    q, k = q[:, :, :H].contiguous(), k[:, :, :H].contiguous()
+    gen = torch.Generator().manual_seed(10)
+    g_raw = torch.randn(B, T, HV, K, generator=gen)
+    beta_raw = torch.randn(B, T, HV, generator=gen) if beta_form else beta
+    A_log = torch.randn(HV, generator=gen) * 0.5
+    dt_bias = torch.randn(HV * K, generator=gen) * 0.5
+    do, dht = torch.randn(B, T, HV, V, generator=gen), torch.randn(B, HV, K, V, generator=gen)
+    lower_bound = None if gate_form == "softplus" else -3.0
+    use_A = gate_form != "lower_bound_no_A"
+    leaves = [x.requires_grad_() for x in to_device((q, k, v, g_raw, beta_raw, h0, dt_bias))]
+    a_log = to_device([A_log])[0].requires_grad_() if use_A else None
+    leaves_all = leaves + ([a_log] if use_A else [])
+    do, dht = to_device((do, dht))
+
+    def ours():
+        return kda_triton.chunk_kda_triton(
+            *leaves[:5], 0.25, leaves[5], True, use_gate_in_kernel=True, A_log=a_log, dt_bias=leaves[6],
+            lower_bound=lower_bound, use_beta_sigmoid_in_kernel=beta_form is not None,
+            allow_neg_eigval=beta_form == "neg_eigval")
+
+    def fla():
+        if lower_bound is None:
+            g_act = gate.naive_kda_gate(leaves[3], a_log, leaves[6])
+        else:
+            g_act = gate.naive_kda_lowerbound_gate(leaves[3], a_log, leaves[6], lower_bound=lower_bound)
+        b = leaves[4]
+        if beta_form is not None:
+            b = torch.sigmoid(b) * (2.0 if beta_form == "neg_eigval" else 1.0)
+        return naive.naive_recurrent_kda(leaves[0], leaves[1], leaves[2], g_act, b, 0.25, leaves[5], True)
+
+    names = "q k v g beta h0 dt_bias".split() + (["A_log"] if use_A else [])
+    _compare_all(_grads(ours, leaves_all, do, dht), _grads(fla, leaves_all, do, dht), names)
+
+
+def test_decode_options_gva_gate_state_v_first_match_fla_naive():
+    """The decode kernel with GVA, the in-kernel gate, beta sigmoid and state_v_first ([N, HV, V, K] states),
+    varlen, in place, against fla's naive gate + naive_recurrent_kda per sequence."""
+    naive, gate = _fla_naive()
+    lens, H, HV, K, V = (3, 1, 4), 1, 2, 16, 32
+    T = sum(lens)
+    q, k, v, _, _, _ = to_device(make_inputs(1, T, HV, K, V, seed=11))
+    q, k = q[:, :, :H].contiguous(), k[:, :, :H].contiguous()
+    gen = torch.Generator().manual_seed(12)
+    g_raw, beta_raw = to_device((torch.randn(1, T, HV, K, generator=gen), torch.randn(1, T, HV, generator=gen)))
+    A_log, dt_bias = to_device((torch.randn(HV, generator=gen) * 0.5, torch.randn(HV * K, generator=gen) * 0.5))
+    h0 = to_device([torch.randn(len(lens), HV, K, V, generator=gen)])[0]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    state = h0.transpose(-1, -2).contiguous()  # V-first
+    o, s = kda_triton.fused_recurrent_kda_triton(
+        q, k, v, g_raw, beta_raw, 0.25, state, True, False, cu, True, use_gate_in_kernel=True, A_log=A_log,
+        dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True, state_v_first=True)
+    assert s.data_ptr() == state.data_ptr() and s.shape == (len(lens), HV, V, K)
+    g_act, b_act = gate.naive_kda_gate(g_raw, A_log, dt_bias), torch.sigmoid(beta_raw)
+    for i, (b, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        o_i, s_i = naive.naive_recurrent_kda(q[:, b:e], k[:, b:e], v[:, b:e], g_act[:, b:e], b_act[:, b:e], 0.25,
+                                             h0[i: i + 1], True)
+        assert_close_rel(o[:, b:e], o_i, name=f"seq {i} o")
+        assert_close_rel(s[i: i + 1].transpose(-1, -2), s_i, name=f"seq {i} state")
+
+
+def test_chunk_state_v_first_and_intermediate_states():
+    """state_v_first: [N, HV, V, K] states in and out, gradient to h0 included; return_intermediate_states:
+    the state entering every chunk (h[:, 0] = h0, h[:, 1] = the reference's state after 64 tokens)."""
+    B, T, H, K, V = 2, 70, 1, 16, 32
+    q, k, v, g, beta, h0 = to_device(make_inputs(B, T, H, K, V, init_state=True, seed=13))
+    with torch.no_grad():
+        o, s, h = kda_triton.chunk_kda_triton(q, k, v, g, beta, 0.25, h0.transpose(-1, -2).contiguous(), True,
+                                              state_v_first=True, return_intermediate_states=True)
+        o_ref, s_ref = recurrent_kda_reference(q, k, v, g, beta, 0.25, h0, True)
+        _, s64 = recurrent_kda_reference(q[:, :64], k[:, :64], v[:, :64], g[:, :64], beta[:, :64], 0.25, h0, True)
+    assert s.shape == (B, H, V, K) and h.shape == (B, 2, H, V, K)
+    assert_close_rel(o, o_ref)
+    assert_close_rel(s.transpose(-1, -2), s_ref, name="final state")
+    assert_close_rel(h[:, 0].transpose(-1, -2), h0, name="h[:, 0]")
+    assert_close_rel(h[:, 1].transpose(-1, -2), s64, name="h[:, 1]")
+    leaf = h0.transpose(-1, -2).contiguous().requires_grad_()
+    with pytest.raises(ValueError, match="inference only"):
+        kda_triton.chunk_kda_triton(q, k, v, g, beta, 0.25, leaf, True, state_v_first=True,
+                                    return_intermediate_states=True)
+    o, s = kda_triton.chunk_kda_triton(q, k, v, g, beta, 0.25, leaf, True, state_v_first=True)
+    (o.sum() + (s * s).sum()).backward()
+    h0_ref = h0.clone().requires_grad_()
+    o_r, s_r = recurrent_kda_reference(q, k, v, g, beta, 0.25, h0_ref, True)
+    (o_r.sum() + (s_r * s_r).sum()).backward()
+    assert_close_rel(leaf.grad.transpose(-1, -2), h0_ref.grad, rel=2e-5, name="dh0")
+
+
+def test_decode_state_pool_indices():
+    """ssm_state_indices: sequence n reads and (in place) writes pool row indices[n]; -1 is a padding slot (o = 0,
+    no row touched). Without in place, the final states come back per sequence (zeros for a padding slot)."""
+    B, T, H, K, V = 3, 2, 2, 16, 16
+    q, k, v, g, beta, _ = to_device(make_inputs(B, T, H, K, V, seed=14))
+    pool = torch.randn(4, H, K, V, generator=torch.Generator().manual_seed(15)).to(DEVICE)
+    idx = torch.tensor([2, -1, 0], dtype=torch.int32, device=DEVICE)
+    pool0 = pool.clone()
+    o_ref, s_ref = recurrent_kda_reference(q, k, v, g, beta, 0.25, pool0[[2, 0, 0]], True)
+    o2, s2 = kda_triton.fused_recurrent_kda_triton(q, k, v, g, beta, 0.25, pool, True, ssm_state_indices=idx)
+    assert torch.equal(pool, pool0)
+    assert_close_rel(o2[[0, 2]], o_ref[[0, 2]])
+    assert torch.equal(o2[1], torch.zeros_like(o2[1])) and torch.equal(s2[1], torch.zeros_like(s2[1]))
+    assert_close_rel(s2[[0, 2]], s_ref[[0, 2]])
+    o, s = kda_triton.fused_recurrent_kda_triton(q, k, v, g, beta, 0.25, pool, False, False, None, True,
+                                                 ssm_state_indices=idx)
+    assert s is None and torch.equal(o, o2)
+    assert_close_rel(pool[2], s_ref[0], name="pool row 2")
+    assert_close_rel(pool[0], s_ref[2], name="pool row 0")
+    assert torch.equal(pool[[1, 3]], pool0[[1, 3]])
+    with pytest.raises(ValueError, match="ssm_state_indices"):
+        kda_triton.fused_recurrent_kda_triton(q, k, v, g, beta, 0.25, pool, ssm_state_indices=idx[:2])

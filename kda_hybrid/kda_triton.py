@@ -498,8 +498,10 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _chunk_layout(cu_seqlens: torch.Tensor | None, B: int, T: int, device) -> tuple:
-    """(cu_seqlens over the packed B*T tokens, chunk_indices [NC, 2] = (sequence, chunk), chunk_offsets [N])."""
+def _chunk_layout(cu_seqlens: torch.Tensor | None, B: int, T: int, device, cu_seqlens_cpu=None) -> tuple:
+    """(cu_seqlens over the packed B*T tokens, chunk_indices [NC, 2] = (sequence, chunk), chunk_offsets [N]).
+    The chunk list is built on the host: from cu_seqlens_cpu when given (no device sync), else from a copy
+    of cu_seqlens. Built once per forward; the backward reuses it."""
     BT = CHUNK_SIZE
     if cu_seqlens is None:
         NT = triton.cdiv(T, BT)
@@ -508,7 +510,8 @@ def _chunk_layout(cu_seqlens: torch.Tensor | None, B: int, T: int, device) -> tu
         chunk_indices = torch.stack([seq.repeat_interleave(NT), torch.arange(NT, device=device,
                                                                               dtype=torch.int32).repeat(B)], 1)
         return cu, chunk_indices.contiguous(), seq * NT
-    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    host = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens
+    lens = (host[1:] - host[:-1]).tolist()
     nts = [triton.cdiv(n, BT) for n in lens]
     chunk_indices = torch.tensor([(i, t) for i, nt in enumerate(nts) for t in range(nt)], dtype=torch.int32)
     offsets = torch.tensor([0, *nts[:-1]], dtype=torch.int64).cumsum(0).to(torch.int32)
@@ -600,12 +603,10 @@ def _output_fwd(q, G, Aqk, h, v_new, scale, layout, dtype):
     return o
 
 
-def _chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+def _chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, layout):
     """Chunked forward on contiguous inputs (q, k already normalised if asked): the five stages. Returns o,
     the final state, the chunk states h and what the backward reuses: (G, A_qk, Ai = (I + A_kk)^-1, w, u)."""
-    B, T, H, K = q.shape
-    _check_head_dims(K, v.shape[-1])
-    layout = _chunk_layout(cu_seqlens, B, T, q.device)
+    _check_head_dims(q.shape[-1], v.shape[-1])
     G = _gate_cumsum_fwd(g, layout)
     Akk, Aqk = _gated_products_fwd(q, k, G, beta, scale, layout)
     Ai, w, u = _wy_solve_fwd(k, v, G, beta, Akk, layout)
@@ -664,11 +665,12 @@ class ChunkKDAFunction(torch.autograd.Function):
     states h [NC, HV, K, V]); h is not differentiable (inference only: return_intermediate_states)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu):
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-        o, ht, h, saved = _chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+        layout = _chunk_layout(cu_seqlens, q.shape[0], q.shape[1], q.device, cu_seqlens_cpu)
+        o, ht, h, saved = _chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, layout)
         ctx.save_for_backward(q, k, v, g, beta, initial_state, *saved)
-        ctx.scale, ctx.cu_seqlens, ctx.g_dtype = scale, cu_seqlens, g.dtype
+        ctx.scale, ctx.layout, ctx.g_dtype = scale, layout, g.dtype
         ctx.mark_non_differentiable(h)
         return o, ht, h
 
@@ -678,9 +680,9 @@ class ChunkKDAFunction(torch.autograd.Function):
 
         q, k, v, g, beta, initial_state, *saved = ctx.saved_tensors
         need_dh0 = initial_state is not None and ctx.needs_input_grad[6]
-        dq, dk, dv, dg, dbeta, dh0 = _chunk_kda_bwd(q, k, v, g, beta, ctx.scale, initial_state, ctx.cu_seqlens,
+        dq, dk, dv, dg, dbeta, dh0 = _chunk_kda_bwd(q, k, v, g, beta, ctx.scale, initial_state, ctx.layout,
                                                     saved, do, dht, need_dh0)
-        return dq, dk, dv, dg.to(ctx.g_dtype), dbeta.to(beta.dtype), None, dh0, None, None
+        return dq, dk, dv, dg.to(ctx.g_dtype), dbeta.to(beta.dtype), None, dh0, None, None, None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -734,7 +736,7 @@ def _activations(g, beta, use_gate_in_kernel, A_log, dt_bias, lower_bound, use_b
 
 
 def chunk_kda_triton(q, k, v, g, beta, scale, initial_state=None, output_final_state=False,
-                     use_qk_l2norm_in_kernel=False, cu_seqlens=None, *, chunk_size=CHUNK_SIZE,
+                     use_qk_l2norm_in_kernel=False, cu_seqlens=None, *, cu_seqlens_cpu=None, chunk_size=CHUNK_SIZE,
                      use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None,
                      use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False,
                      return_intermediate_states=False):
@@ -758,7 +760,7 @@ def chunk_kda_triton(q, k, v, g, beta, scale, initial_state=None, output_final_s
     if state_v_first and initial_state is not None:
         initial_state = initial_state.transpose(-1, -2).contiguous()
     o, ht, h = ChunkKDAFunction.apply(q, k, v, g, beta, float(scale), initial_state, output_final_state,
-                                      cu_seqlens)
+                                      cu_seqlens, cu_seqlens_cpu)
     if state_v_first:
         ht = ht.transpose(-1, -2) if ht is not None else None
         h = h.transpose(-1, -2)

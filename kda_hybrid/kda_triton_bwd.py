@@ -31,7 +31,6 @@ from .kda_triton import (
     STATE_BWD_NUM_STAGES,
     SUB_CHUNK,
     _block,
-    _chunk_layout,
     _dot_precision,
     _LazyKernel,
     _scan_block_v,
@@ -363,13 +362,12 @@ def _gated_products_bwd(q, k, g, G, beta, dAqk, dAkk, dq, dk, dbeta, dG, scale, 
     return dq, dk, dbeta, dG
 
 
-def _chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, saved, do, dht, need_dh0):
+def _chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, layout, saved, do, dht, need_dh0):
     """Chunked backward: recompute h and v_new (one forward scan), reverse scan for dh, then the per-chunk
     stages. Returns dq, dk, dv, dg, dbeta in their inputs' dtypes and dh0 (fp32, None unless need_dh0)."""
     G, Aqk, Ai, w, u = saved
     B, T, H, K = q.shape
     HV = v.shape[2]
-    layout = _chunk_layout(cu_seqlens, B, T, q.device)
     h, v_new, _ = _state_scan_fwd(k, w, u, G, initial_state, False, layout)
     dh, dv_new, dh0 = _state_scan_bwd(q, k, w, G, Aqk, do, dht, scale, layout, need_dh0)
     dq, dk, dv, dbeta, dG, dAqk, dAkk = _chunk_bwd(q, k, v, G, beta, h, dh, v_new, dv_new, w, u, Ai, do, scale,

@@ -11,8 +11,7 @@ import os
 import pytest
 import torch
 
-from kda_hybrid import chunk_kda, fused_recurrent_kda
-from kda_hybrid import kda_ops
+from kda_hybrid import chunk_kda, fused_recurrent_kda, kda_ops, kda_stages
 from kda_hybrid.kda_torch import chunk_kda_torch, recurrent_kda_reference
 
 from .test_ops import assert_close_rel, assert_matches_reference, make_inputs
@@ -432,8 +431,6 @@ def test_kernels_compile_for_sm90(dtype):
 # a 6-token tail), g about -20 per token in one head's tokens (strong decay) and one g = -inf reset.
 # ------------------------------------------------------------------------------------------------
 
-from kda_hybrid import kda_stages  # noqa: E402
-
 STAGE_LENS = (5, 70)
 
 
@@ -773,3 +770,16 @@ def test_decode_state_pool_indices():
     assert torch.equal(pool[[1, 3]], pool0[[1, 3]])
     with pytest.raises(ValueError, match="ssm_state_indices"):
         kda_triton.fused_recurrent_kda_triton(q, k, v, g, beta, 0.25, pool, ssm_state_indices=idx[:2])
+
+
+def test_chunk_cu_seqlens_cpu_gives_the_same_result():
+    """cu_seqlens_cpu (fla's option: the chunk list is built from a host copy, no device sync) changes nothing;
+    the layout is built once in the forward and reused by the backward."""
+    lens, H, K, V = (5, 3), 1, 16, 16
+    args = [x.detach().requires_grad_() for x in to_device(make_inputs(1, sum(lens), H, K, V))[:5]]
+    cu_cpu = torch.tensor([0, 5, 8], dtype=torch.int32)
+    o, _ = kda_triton.chunk_kda_triton(*args, 0.25, cu_seqlens=cu_cpu.to(DEVICE), cu_seqlens_cpu=cu_cpu)
+    o.sum().backward()
+    o_ref, _ = recurrent_kda_reference(*args, 0.25, cu_seqlens=cu_cpu)
+    assert_close_rel(o, o_ref)
+    assert all(torch.isfinite(x.grad).all() for x in args)

@@ -12,13 +12,14 @@ outputs (docs/architecture.md §1, §9):
     _gated_products_bwd(q, k, g, G, beta, ...)      gated_products_bwd_ref (functional: returns new tensors,
                                                     where the launcher updates dq, dk, dbeta, dG in place)
 
-Each twin loops over the chunks of `layout` = (cu_seqlens [N + 1], chunk_indices [NC, 2] = (sequence, chunk),
-chunk_offsets [N]) in Python and computes one chunk (all value heads at once) the direct way: exp(G_r - G_c)
-from the exact differences (no anchoring), inverses with torch.linalg, gradients of the gated products by
-autograd. Slow and simple on purpose: they are the oracles the kernels are tested against stage by stage, so
-a wrong result on a new GPU points at one kernel. Layouts as the kernels: q, k [B, T, H, K]; g, G
-[B, T, HV, K]; v [B, T, HV, V]; beta [B, T, HV]; per-row chunk matrices [B, T, HV, BT]; states
-[NC or N, HV, K, V]; all fp32. This module never imports triton.
+Each twin loops over the chunks of `layout` (a kda_triton.ChunkLayout: cu_seqlens [N + 1], chunk_indices
+[NC, 2] = (sequence, chunk), ...; its dot_precision is ignored, the twins are fp32) in Python and computes
+one chunk (all value heads at once) the direct way: exp(G_r - G_c) from the exact differences (no
+anchoring), inverses with torch.linalg, gradients of the gated products by autograd. Slow and simple on
+purpose: they are the oracles the kernels are tested against stage by stage, so a wrong result on a new GPU
+points at one kernel. Layouts as the kernels: q, k [B, T, H, K]; g, G [B, T, HV, K]; v [B, T, HV, V]; beta
+[B, T, HV]; per-row chunk matrices [B, T, HV, BT]; states [NC or N, HV, K, V]; all fp32. This module never
+imports triton.
 """
 
 from __future__ import annotations
@@ -31,9 +32,8 @@ GATE_FLOOR = -110.0  # as kda_triton.GATE_FLOOR_VALUE: exp(-110) = 0 in fp32, a 
 
 def _chunks(layout):
     """(row slice into the flattened B*T tokens, sequence index, global chunk index) for every chunk."""
-    cu, chunk_indices, _ = layout
-    bounds = cu.tolist()
-    for i_c, (i_n, i_t) in enumerate(chunk_indices.tolist()):
+    bounds = layout.cu_seqlens.tolist()
+    for i_c, (i_n, i_t) in enumerate(layout.chunk_indices.tolist()):
         bos, eos = bounds[i_n], bounds[i_n + 1]
         s = bos + i_t * CHUNK_SIZE
         yield slice(s, min(s + CHUNK_SIZE, eos)), i_n, i_c
@@ -118,7 +118,7 @@ def wy_solve_ref(k, v, G, beta, Akk, layout):
 
 def state_scan_ref(k, w, u, G, initial_state, output_final_state, layout):
     """(h [NC, HV, K, V] the state entering each chunk, v_new = u - w S [B, T, HV, V], final state or None)."""
-    cu, chunk_indices, _ = layout
+    cu, chunk_indices = layout.cu_seqlens, layout.chunk_indices
     B, T, HV, K = G.shape
     V = u.shape[-1]
     N = cu.numel() - 1
@@ -157,7 +157,7 @@ def output_ref(q, G, Aqk, h, v_new, scale, layout, dtype):
 def state_scan_bwd_ref(q, k, w, G, Aqk, do, dht, scale, layout, need_dh0):
     """(dh [NC, HV, K, V] gradient of the state leaving each chunk, dv_new [B, T, HV, V], dh0 or None):
     dv_new = A_qk^T do + kd dS', dS = exp(G_last) dS' + qg^T do - w^T dv_new, in reverse chunk order."""
-    cu, chunk_indices, _ = layout
+    cu, chunk_indices = layout.cu_seqlens, layout.chunk_indices
     B, T, HV, K = G.shape
     V = do.shape[-1]
     N = cu.numel() - 1

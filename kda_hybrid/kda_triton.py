@@ -43,6 +43,7 @@ often imported (by `kda_ops`) before a test sets the variable. The head counts H
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -498,10 +499,20 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _chunk_layout(cu_seqlens: torch.Tensor | None, B: int, T: int, device, cu_seqlens_cpu=None) -> tuple:
-    """(cu_seqlens over the packed B*T tokens, chunk_indices [NC, 2] = (sequence, chunk), chunk_offsets [N]).
-    The chunk list is built on the host: from cu_seqlens_cpu when given (no device sync), else from a copy
-    of cu_seqlens. Built once per forward; the backward reuses it."""
+class ChunkLayout(NamedTuple):
+    """How the packed tokens split into chunks, and the products' precision: what every stage is given."""
+
+    cu_seqlens: torch.Tensor  # [N + 1] int32 offsets of the sequences in the packed B*T tokens
+    chunk_indices: torch.Tensor  # [NC, 2] int32: (sequence, chunk within it) of every global chunk
+    chunk_offsets: torch.Tensor  # [N] int32: global index of each sequence's first chunk
+    dot_precision: str  # tl.dot input precision, from the inputs' dtype (_dot_precision)
+
+
+def _chunk_layout(cu_seqlens: torch.Tensor | None, B: int, T: int, device, cu_seqlens_cpu=None,
+                  dtype: torch.dtype = torch.float32) -> ChunkLayout:
+    """The ChunkLayout of B sequences of T tokens, or of the packed sequences of cu_seqlens (B = 1). The chunk
+    list is built on the host: from cu_seqlens_cpu when given (no device sync), else from a copy of
+    cu_seqlens. Built once per forward; the backward reuses it. `dtype`: the dtype of q, k, v as given."""
     BT = CHUNK_SIZE
     if cu_seqlens is None:
         NT = triton.cdiv(T, BT)
@@ -509,13 +520,13 @@ def _chunk_layout(cu_seqlens: torch.Tensor | None, B: int, T: int, device, cu_se
         seq = torch.arange(B, device=device, dtype=torch.int32)
         chunk_indices = torch.stack([seq.repeat_interleave(NT), torch.arange(NT, device=device,
                                                                               dtype=torch.int32).repeat(B)], 1)
-        return cu, chunk_indices.contiguous(), seq * NT
+        return ChunkLayout(cu, chunk_indices.contiguous(), seq * NT, _dot_precision(dtype))
     host = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens
     lens = (host[1:] - host[:-1]).tolist()
     nts = [triton.cdiv(n, BT) for n in lens]
     chunk_indices = torch.tensor([(i, t) for i, nt in enumerate(nts) for t in range(nt)], dtype=torch.int32)
     offsets = torch.tensor([0, *nts[:-1]], dtype=torch.int64).cumsum(0).to(torch.int32)
-    return cu_seqlens.to(torch.int32), chunk_indices.to(device), offsets.to(device)
+    return ChunkLayout(cu_seqlens.to(torch.int32), chunk_indices.to(device), offsets.to(device), _dot_precision(dtype))
 
 
 def _check_head_dims(K: int, V: int) -> None:
@@ -530,7 +541,7 @@ def _scan_block_v(BK: int, BV: int) -> int:
 
 def _gate_cumsum_fwd(g, layout):
     """Stage 1: G [B, T, HV, K] fp32, the within-chunk cumsum of max(g, GATE_FLOOR)."""
-    cu, chunk_indices, _ = layout
+    cu, chunk_indices = layout.cu_seqlens, layout.chunk_indices
     B, T, HV, K = g.shape
     G = torch.empty(B, T, HV, K, device=g.device, dtype=torch.float32)
     _kda_gate_cumsum_kernel[(chunk_indices.shape[0], HV)](g, G, cu, chunk_indices, HV=HV, K=K, BT=CHUNK_SIZE,
@@ -541,7 +552,7 @@ def _gate_cumsum_fwd(g, layout):
 def _gated_products_fwd(q, k, G, beta, scale, layout):
     """Stage 2: (A_kk, A_qk) [B, T, HV, BT] fp32; row t holds its chunk's row. Only the sub-blocks on or below
     the diagonal are written (the later stages read nothing else)."""
-    cu, chunk_indices, _ = layout
+    cu, chunk_indices = layout.cu_seqlens, layout.chunk_indices
     B, T, H, K = q.shape
     HV = G.shape[2]
     f32 = dict(device=q.device, dtype=torch.float32)
@@ -549,14 +560,14 @@ def _gated_products_fwd(q, k, G, beta, scale, layout):
     Aqk = torch.empty(B, T, HV, CHUNK_SIZE, **f32)
     _kda_intra_fwd_kernel[(chunk_indices.shape[0], HV)](
         q, k, G, beta, Akk, Aqk, cu, chunk_indices, scale, H=H, HV=HV, K=K, BT=CHUNK_SIZE, BC=SUB_CHUNK,
-        BK=_block(K), DOT_PREC=_dot_precision(q.dtype))
+        BK=_block(K), DOT_PREC=layout.dot_precision)
     return Akk, Aqk
 
 
 def _wy_solve_fwd(k, v, G, beta, Akk, layout):
     """Stage 3: (Ai = (I + A_kk)^-1 [B, T, HV, BT] with zeros above the diagonal, w [B, T, HV, K],
     u [B, T, HV, V]), fp32."""
-    cu, chunk_indices, _ = layout
+    cu, chunk_indices = layout.cu_seqlens, layout.chunk_indices
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     f32 = dict(device=k.device, dtype=torch.float32)
@@ -565,14 +576,14 @@ def _wy_solve_fwd(k, v, G, beta, Akk, layout):
     u = torch.empty(B, T, HV, V, **f32)
     _kda_solve_wu_kernel[(chunk_indices.shape[0], HV)](
         k, v, G, beta, Akk, Ai, w, u, cu, chunk_indices, H=H, HV=HV, K=K, V=V, BT=CHUNK_SIZE, BC=SUB_CHUNK,
-        BK=_block(K), BV=_block(V), DOT_PREC=_dot_precision(v.dtype))
+        BK=_block(K), BV=_block(V), DOT_PREC=layout.dot_precision)
     return Ai, w, u
 
 
 def _state_scan_fwd(k, w, u, G, initial_state, output_final_state, layout):
     """Stage 4: states entering every chunk h [NC, HV, K, V], v_new [B, T, HV, V] and the final state
     [N, HV, K, V] (None unless output_final_state), fp32."""
-    cu, chunk_indices, chunk_offsets = layout
+    cu, chunk_indices, chunk_offsets = layout[:3]
     B, T, H, K = k.shape
     HV, V = u.shape[2], u.shape[3]
     N, NC = cu.numel() - 1, chunk_indices.shape[0]
@@ -586,20 +597,20 @@ def _state_scan_fwd(k, w, u, G, initial_state, output_final_state, layout):
     _kda_state_scan_kernel[(triton.cdiv(V, BVS), N, HV)](
         k, w, u, G, h0 if h0 is not None else h, ht if ht is not None else h, h, v_new, cu, chunk_offsets,
         H=H, HV=HV, K=K, V=V, BT=CHUNK_SIZE, BK=BK, BV=BVS, HAS_H0=h0 is not None, STORE_HT=ht is not None,
-        DOT_PREC=_dot_precision(k.dtype), num_warps=4, num_stages=SCAN_NUM_STAGES)
+        DOT_PREC=layout.dot_precision, num_warps=4, num_stages=SCAN_NUM_STAGES)
     return h, v_new, ht
 
 
 def _output_fwd(q, G, Aqk, h, v_new, scale, layout, dtype):
     """Stage 5: o [B, T, HV, V] in `dtype` (v's)."""
-    cu, chunk_indices, _ = layout
+    cu, chunk_indices = layout.cu_seqlens, layout.chunk_indices
     B, T, H, K = q.shape
     HV, V = v_new.shape[2], v_new.shape[3]
     o = torch.empty(B, T, HV, V, device=q.device, dtype=dtype)
     BVO = min(_block(V), 64)
     _kda_output_kernel[(triton.cdiv(V, BVO), chunk_indices.shape[0], HV)](
         q, G, Aqk, h, v_new, o, cu, chunk_indices, scale, H=H, HV=HV, K=K, V=V, BT=CHUNK_SIZE, BK=_block(K),
-        BV=BVO, DOT_PREC=_dot_precision(q.dtype))
+        BV=BVO, DOT_PREC=layout.dot_precision)
     return o
 
 
@@ -667,7 +678,8 @@ class ChunkKDAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu):
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-        layout = _chunk_layout(cu_seqlens, q.shape[0], q.shape[1], q.device, cu_seqlens_cpu)
+        # the products' precision follows v: q, k arrive in fp32 after the L2 norm whatever the input dtype
+        layout = _chunk_layout(cu_seqlens, q.shape[0], q.shape[1], q.device, cu_seqlens_cpu, v.dtype)
         o, ht, h, saved = _chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, layout)
         ctx.save_for_backward(q, k, v, g, beta, initial_state, *saved)
         ctx.scale, ctx.layout, ctx.g_dtype = scale, layout, g.dtype

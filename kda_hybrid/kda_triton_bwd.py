@@ -31,7 +31,6 @@ from .kda_triton import (
     STATE_BWD_NUM_STAGES,
     SUB_CHUNK,
     _block,
-    _dot_precision,
     _LazyKernel,
     _scan_block_v,
     _state_scan_fwd,
@@ -308,7 +307,7 @@ _kda_intra_bwd_kernel = _LazyKernel(_kda_intra_bwd_kernel)
 def _state_scan_bwd(q, k, w, G, Aqk, do, dht, scale, layout, need_dh0):
     """Stage 6: dh [NC, HV, K, V] (gradient of the state leaving each chunk), dv_new [B, T, HV, V] and dh0
     [N, HV, K, V] (None unless need_dh0), fp32. dht (or None) is the gradient of the final state."""
-    cu, chunk_indices, chunk_offsets = layout
+    cu, chunk_indices, chunk_offsets = layout[:3]
     B, T, H, K = q.shape
     HV, V = do.shape[2], do.shape[3]
     N, NC = cu.numel() - 1, chunk_indices.shape[0]
@@ -323,7 +322,7 @@ def _state_scan_bwd(q, k, w, G, Aqk, do, dht, scale, layout, need_dh0):
     _kda_state_bwd_kernel[(triton.cdiv(V, BVS), N, HV)](
         q, k, w, G, Aqk, do, dht if dht is not None else dh, dh0 if dh0 is not None else dh, dh, dv_new,
         cu, chunk_offsets, scale, H=H, HV=HV, K=K, V=V, BT=CHUNK_SIZE, BK=BK, BV=BVS, HAS_DHT=dht is not None,
-        STORE_DH0=dh0 is not None, DOT_PREC=_dot_precision(q.dtype), num_warps=4, num_stages=STATE_BWD_NUM_STAGES)
+        STORE_DH0=dh0 is not None, DOT_PREC=layout.dot_precision, num_warps=4, num_stages=STATE_BWD_NUM_STAGES)
     return dh, dv_new, dh0
 
 
@@ -332,7 +331,7 @@ def _chunk_bwd(q, k, v, G, beta, h, dh, v_new, dv_new, w, u, Ai, do, scale, layo
     token before the cumsum, dA_qk, dA_kk [B, T, HV, BT]), the parts that do not go through A_kk, A_qk; fp32
     but dv. dA_qk and dA_kk are whole rows: the next stage reads their lower (A_qk) / strict lower (A_kk)
     triangles only."""
-    cu, chunk_indices, _ = layout
+    cu, chunk_indices = layout.cu_seqlens, layout.chunk_indices
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     f32 = dict(device=q.device, dtype=torch.float32)
@@ -346,19 +345,19 @@ def _chunk_bwd(q, k, v, G, beta, h, dh, v_new, dv_new, w, u, Ai, do, scale, layo
     _kda_chunk_bwd_kernel[(chunk_indices.shape[0], HV)](
         q, k, v, G, beta, h, dh, v_new, dv_new, w, u, Ai, do.contiguous(), dq, dk, dv, dbeta, dG, dAqk, dAkk,
         cu, chunk_indices, scale, H=H, HV=HV, K=K, V=V, BT=CHUNK_SIZE, BK=_block(K), BV=min(_block(V), CHUNK_BWD_BV),
-        DOT_PREC=_dot_precision(v.dtype), num_warps=CHUNK_BWD_NUM_WARPS, num_stages=CHUNK_BWD_NUM_STAGES)
+        DOT_PREC=layout.dot_precision, num_warps=CHUNK_BWD_NUM_WARPS, num_stages=CHUNK_BWD_NUM_STAGES)
     return dq, dk, dv, dbeta, dG, dAqk, dAkk
 
 
 def _gated_products_bwd(q, k, g, G, beta, dAqk, dAkk, dq, dk, dbeta, dG, scale, layout):
     """Stage 8: adds the gradients through A_kk, A_qk to dq, dk, dbeta, dG IN PLACE and turns dG into dg (the
     reverse cumsum within each chunk; 0 where g < GATE_FLOOR). Returns (dq, dk, dbeta, dg), the same tensors."""
-    cu, chunk_indices, _ = layout
+    cu, chunk_indices = layout.cu_seqlens, layout.chunk_indices
     B, T, H, K = q.shape
     HV = G.shape[2]
     _kda_intra_bwd_kernel[(chunk_indices.shape[0], HV)](
         q, k, g, G, beta, dAqk, dAkk, dq, dk, dbeta, dG, cu, chunk_indices, scale, H=H, HV=HV, K=K, BT=CHUNK_SIZE,
-        BC=SUB_CHUNK, BK=_block(K), DOT_PREC=_dot_precision(q.dtype))
+        BC=SUB_CHUNK, BK=_block(K), DOT_PREC=layout.dot_precision)
     return dq, dk, dbeta, dG
 
 

@@ -471,9 +471,8 @@ def stage_data():
 def _lower_mask(layout, T, strict):
     """[1, T, 1, BT]: the columns of each row's chunk row that the kernels read (c <= position of the row in
     its chunk, c < it if strict)."""
-    cu, chunk_indices, _ = layout
     mask = torch.zeros(1, T, 1, kda_triton.CHUNK_SIZE, dtype=torch.bool)
-    for sl, _, _ in kda_stages._chunks((cu.cpu(), chunk_indices.cpu(), None)):
+    for sl, _, _ in kda_stages._chunks(layout):
         for p, t in enumerate(range(sl.start, sl.stop)):
             mask[0, t, 0, : p + (0 if strict else 1)] = True
     return mask.to(DEVICE)

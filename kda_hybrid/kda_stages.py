@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import torch
 
-CHUNK_SIZE = 64  # BT, as kda_triton.CHUNK_SIZE
 GATE_FLOOR = -110.0  # as kda_triton.GATE_FLOOR_VALUE: exp(-110) = 0 in fp32, a g = -inf reset stays finite
 
 
@@ -35,8 +34,8 @@ def _chunks(layout):
     bounds = layout.cu_seqlens.tolist()
     for i_c, (i_n, i_t) in enumerate(layout.chunk_indices.tolist()):
         bos, eos = bounds[i_n], bounds[i_n + 1]
-        s = bos + i_t * CHUNK_SIZE
-        yield slice(s, min(s + CHUNK_SIZE, eos)), i_n, i_c
+        s = bos + i_t * layout.chunk_size
+        yield slice(s, min(s + layout.chunk_size, eos)), i_n, i_c
 
 
 def _rows(x, sl, HV=None):
@@ -87,8 +86,8 @@ def gated_products_ref(q, k, G, beta, scale, layout):
     """(A_kk, A_qk) [B, T, HV, BT]: A_kk[r, c] = beta_r sum_d k_r k_c exp(G_r - G_c) for c < r, A_qk[r, c] =
     scale sum_d q_r k_c exp(G_r - G_c) for c <= r, 0 elsewhere."""
     B, T, HV, _ = G.shape
-    Akk = torch.zeros(B, T, HV, CHUNK_SIZE, device=G.device)
-    Aqk = torch.zeros(B, T, HV, CHUNK_SIZE, device=G.device)
+    Akk = torch.zeros(B, T, HV, layout.chunk_size, device=G.device)
+    Aqk = torch.zeros(B, T, HV, layout.chunk_size, device=G.device)
     for sl, _, _ in _chunks(layout):
         a_kk, a_qk = _gated_products_chunk(_rows(q, sl, HV), _rows(k, sl, HV), _rows(G, sl),
                                            _rows(beta[..., None], sl)[..., 0], scale)
@@ -101,7 +100,7 @@ def wy_solve_ref(k, v, G, beta, Akk, layout):
     """(Ai = (I + strict_lower(A_kk))^-1 [B, T, HV, BT], w = Ai (beta k exp G) [B, T, HV, K],
     u = Ai (beta v) [B, T, HV, V])."""
     B, T, HV, K = G.shape
-    Ai = torch.zeros(B, T, HV, CHUNK_SIZE, device=G.device)
+    Ai = torch.zeros(B, T, HV, layout.chunk_size, device=G.device)
     w = torch.zeros(B, T, HV, K, device=G.device)
     u = torch.zeros(*v.shape, device=G.device)
     for sl, _, _ in _chunks(layout):
@@ -189,8 +188,8 @@ def chunk_bwd_ref(q, k, v, G, beta, h, dh, v_new, dv_new, w, u, Ai, do, scale, l
     dq, dk, dG = (torch.zeros(B, T, HV, K, **f32) for _ in range(3))
     dbeta = torch.zeros(B, T, HV, **f32)
     dv = torch.zeros(v.shape, device=G.device, dtype=v.dtype)
-    dAqk = torch.zeros(B, T, HV, CHUNK_SIZE, **f32)
-    dAkk = torch.zeros(B, T, HV, CHUNK_SIZE, **f32)
+    dAqk = torch.zeros(B, T, HV, layout.chunk_size, **f32)
+    dAkk = torch.zeros(B, T, HV, layout.chunk_size, **f32)
     for sl, _, i_c in _chunks(layout):
         n = sl.stop - sl.start
         S, dS = h[i_c], dh[i_c]

@@ -56,7 +56,8 @@ except ImportError as err:
 
 from .kda_torch import L2NORM_EPS, l2norm
 
-CHUNK_SIZE = 64  # tokens per chunk (BT), as kda_torch.CHUNK_SIZE
+CHUNK_SIZE = 64  # default tokens per chunk (BT), as kda_torch.CHUNK_SIZE; fla's 32 is accepted too
+CHUNK_SIZES = (32, 64)  # the WY solve works on BT / SUB_CHUNK = 2 or 4 diagonal blocks
 SUB_CHUNK = 16  # BC: side of the sub-blocks of A; 16 is the smallest tl.dot tile
 MAX_HEAD_DIM = 256  # K and V are held whole in one register tile
 # The scan's loop loads ~100 KB of tiles per chunk at K = V = 128 in fp32: triton's default 3-stage pipeline
@@ -197,9 +198,10 @@ def _kda_solve_wu_kernel(
     H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    """Ai = (I + A_kk)^-1 for one chunk (BT = 4 BC): the four diagonal 16x16 blocks by forward substitution,
-    the six below by block back-substitution; then w = Ai (beta k exp G) and u = Ai (beta v). Ai is stored
-    (whole rows, zeros above the diagonal) for the backward. k is read from head i_h // (HV // H)."""
+    """Ai = (I + A_kk)^-1 for one chunk (BT = 4 BC, or 2 BC with blocks 2, 3 masked): the diagonal 16x16
+    blocks by forward substitution, those below by block back-substitution; then w = Ai (beta k exp G) and
+    u = Ai (beta v). Ai is stored (whole rows, zeros above the diagonal) for the backward. k is read from head
+    i_h // (HV // H)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_hq = i_h // (HV // H)
     i_n = tl.load(chunk_indices + i_c * 2)
@@ -216,7 +218,11 @@ def _kda_solve_wu_kernel(
     o_r1 = o_r0 + BC
     o_r2 = o_r0 + 2 * BC
     o_r3 = o_r0 + 3 * BC
-    m_r0, m_r1, m_r2, m_r3 = o_r0 < L, o_r1 < L, o_r2 < L, o_r3 < L
+    # row blocks 2, 3 exist only for BT = 4 BC (64); with BT = 2 BC (32) they are masked out (their rows are the
+    # next chunk's) and so are column blocks 2, 3 of the stores (past the end of a row of BT)
+    m_r0, m_r1 = o_r0 < L, o_r1 < L
+    m_r2, m_r3 = (o_r2 < L) & (o_c + 2 * BC < BT), (o_r3 < L) & (o_c + 3 * BC < BT)
+    m_c2, m_c3 = (o_c + 2 * BC < BT)[None, :], (o_c + 3 * BC < BT)[None, :]
     # row r, column block j of A_kk: Akk[(bos + r) * HV + i_h, j * BC + c]
     p_A0 = Akk + ((bos + o_r0) * HV + i_h)[:, None] * BT + o_c[None, :]
     p_A1 = Akk + ((bos + o_r1) * HV + i_h)[:, None] * BT + o_c[None, :]
@@ -262,12 +268,12 @@ def _kda_solve_wu_kernel(
     b_0 = tl.zeros([BC, BC], dtype=tl.float32)
     tl.store(p_I0, b_X0, mask=m_r0[:, None])
     tl.store(p_I0 + BC, b_0, mask=m_r0[:, None])
-    tl.store(p_I0 + 2 * BC, b_0, mask=m_r0[:, None])
-    tl.store(p_I0 + 3 * BC, b_0, mask=m_r0[:, None])
+    tl.store(p_I0 + 2 * BC, b_0, mask=m_r0[:, None] & m_c2)
+    tl.store(p_I0 + 3 * BC, b_0, mask=m_r0[:, None] & m_c3)
     tl.store(p_I1, b_Ai10, mask=m_r1[:, None])
     tl.store(p_I1 + BC, b_X1, mask=m_r1[:, None])
-    tl.store(p_I1 + 2 * BC, b_0, mask=m_r1[:, None])
-    tl.store(p_I1 + 3 * BC, b_0, mask=m_r1[:, None])
+    tl.store(p_I1 + 2 * BC, b_0, mask=m_r1[:, None] & m_c2)
+    tl.store(p_I1 + 3 * BC, b_0, mask=m_r1[:, None] & m_c3)
     tl.store(p_I2, b_Ai20, mask=m_r2[:, None])
     tl.store(p_I2 + BC, b_Ai21, mask=m_r2[:, None])
     tl.store(p_I2 + 2 * BC, b_X2, mask=m_r2[:, None])
@@ -506,27 +512,29 @@ class ChunkLayout(NamedTuple):
     chunk_indices: torch.Tensor  # [NC, 2] int32: (sequence, chunk within it) of every global chunk
     chunk_offsets: torch.Tensor  # [N] int32: global index of each sequence's first chunk
     dot_precision: str  # tl.dot input precision, from the inputs' dtype (_dot_precision)
+    chunk_size: int  # BT
 
 
 def _chunk_layout(cu_seqlens: torch.Tensor | None, B: int, T: int, device, cu_seqlens_cpu=None,
-                  dtype: torch.dtype = torch.float32) -> ChunkLayout:
+                  dtype: torch.dtype = torch.float32, chunk_size: int = CHUNK_SIZE) -> ChunkLayout:
     """The ChunkLayout of B sequences of T tokens, or of the packed sequences of cu_seqlens (B = 1). The chunk
     list is built on the host: from cu_seqlens_cpu when given (no device sync), else from a copy of
     cu_seqlens. Built once per forward; the backward reuses it. `dtype`: the dtype of q, k, v as given."""
-    BT = CHUNK_SIZE
+    BT = chunk_size
     if cu_seqlens is None:
         NT = triton.cdiv(T, BT)
         cu = torch.arange(B + 1, device=device, dtype=torch.int32) * T
         seq = torch.arange(B, device=device, dtype=torch.int32)
         chunk_indices = torch.stack([seq.repeat_interleave(NT), torch.arange(NT, device=device,
                                                                               dtype=torch.int32).repeat(B)], 1)
-        return ChunkLayout(cu, chunk_indices.contiguous(), seq * NT, _dot_precision(dtype))
+        return ChunkLayout(cu, chunk_indices.contiguous(), seq * NT, _dot_precision(dtype), BT)
     host = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens
     lens = (host[1:] - host[:-1]).tolist()
     nts = [triton.cdiv(n, BT) for n in lens]
     chunk_indices = torch.tensor([(i, t) for i, nt in enumerate(nts) for t in range(nt)], dtype=torch.int32)
     offsets = torch.tensor([0, *nts[:-1]], dtype=torch.int64).cumsum(0).to(torch.int32)
-    return ChunkLayout(cu_seqlens.to(torch.int32), chunk_indices.to(device), offsets.to(device), _dot_precision(dtype))
+    return ChunkLayout(cu_seqlens.to(torch.int32), chunk_indices.to(device), offsets.to(device),
+                       _dot_precision(dtype), BT)
 
 
 def _check_head_dims(K: int, V: int) -> None:
@@ -544,7 +552,7 @@ def _gate_cumsum_fwd(g, layout):
     cu, chunk_indices = layout.cu_seqlens, layout.chunk_indices
     B, T, HV, K = g.shape
     G = torch.empty(B, T, HV, K, device=g.device, dtype=torch.float32)
-    _kda_gate_cumsum_kernel[(chunk_indices.shape[0], HV)](g, G, cu, chunk_indices, HV=HV, K=K, BT=CHUNK_SIZE,
+    _kda_gate_cumsum_kernel[(chunk_indices.shape[0], HV)](g, G, cu, chunk_indices, HV=HV, K=K, BT=layout.chunk_size,
                                                           BK=_block(K))
     return G
 
@@ -556,10 +564,10 @@ def _gated_products_fwd(q, k, G, beta, scale, layout):
     B, T, H, K = q.shape
     HV = G.shape[2]
     f32 = dict(device=q.device, dtype=torch.float32)
-    Akk = torch.empty(B, T, HV, CHUNK_SIZE, **f32)
-    Aqk = torch.empty(B, T, HV, CHUNK_SIZE, **f32)
+    Akk = torch.empty(B, T, HV, layout.chunk_size, **f32)
+    Aqk = torch.empty(B, T, HV, layout.chunk_size, **f32)
     _kda_intra_fwd_kernel[(chunk_indices.shape[0], HV)](
-        q, k, G, beta, Akk, Aqk, cu, chunk_indices, scale, H=H, HV=HV, K=K, BT=CHUNK_SIZE, BC=SUB_CHUNK,
+        q, k, G, beta, Akk, Aqk, cu, chunk_indices, scale, H=H, HV=HV, K=K, BT=layout.chunk_size, BC=SUB_CHUNK,
         BK=_block(K), DOT_PREC=layout.dot_precision)
     return Akk, Aqk
 
@@ -571,11 +579,11 @@ def _wy_solve_fwd(k, v, G, beta, Akk, layout):
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     f32 = dict(device=k.device, dtype=torch.float32)
-    Ai = torch.empty(B, T, HV, CHUNK_SIZE, **f32)
+    Ai = torch.empty(B, T, HV, layout.chunk_size, **f32)
     w = torch.empty(B, T, HV, K, **f32)
     u = torch.empty(B, T, HV, V, **f32)
     _kda_solve_wu_kernel[(chunk_indices.shape[0], HV)](
-        k, v, G, beta, Akk, Ai, w, u, cu, chunk_indices, H=H, HV=HV, K=K, V=V, BT=CHUNK_SIZE, BC=SUB_CHUNK,
+        k, v, G, beta, Akk, Ai, w, u, cu, chunk_indices, H=H, HV=HV, K=K, V=V, BT=layout.chunk_size, BC=SUB_CHUNK,
         BK=_block(K), BV=_block(V), DOT_PREC=layout.dot_precision)
     return Ai, w, u
 
@@ -596,7 +604,7 @@ def _state_scan_fwd(k, w, u, G, initial_state, output_final_state, layout):
     h0 = initial_state.contiguous() if initial_state is not None else None
     _kda_state_scan_kernel[(triton.cdiv(V, BVS), N, HV)](
         k, w, u, G, h0 if h0 is not None else h, ht if ht is not None else h, h, v_new, cu, chunk_offsets,
-        H=H, HV=HV, K=K, V=V, BT=CHUNK_SIZE, BK=BK, BV=BVS, HAS_H0=h0 is not None, STORE_HT=ht is not None,
+        H=H, HV=HV, K=K, V=V, BT=layout.chunk_size, BK=BK, BV=BVS, HAS_H0=h0 is not None, STORE_HT=ht is not None,
         DOT_PREC=layout.dot_precision, num_warps=4, num_stages=SCAN_NUM_STAGES)
     return h, v_new, ht
 
@@ -609,7 +617,7 @@ def _output_fwd(q, G, Aqk, h, v_new, scale, layout, dtype):
     o = torch.empty(B, T, HV, V, device=q.device, dtype=dtype)
     BVO = min(_block(V), 64)
     _kda_output_kernel[(triton.cdiv(V, BVO), chunk_indices.shape[0], HV)](
-        q, G, Aqk, h, v_new, o, cu, chunk_indices, scale, H=H, HV=HV, K=K, V=V, BT=CHUNK_SIZE, BK=_block(K),
+        q, G, Aqk, h, v_new, o, cu, chunk_indices, scale, H=H, HV=HV, K=K, V=V, BT=layout.chunk_size, BK=_block(K),
         BV=BVO, DOT_PREC=layout.dot_precision)
     return o
 
@@ -676,10 +684,11 @@ class ChunkKDAFunction(torch.autograd.Function):
     states h [NC, HV, K, V]); h is not differentiable (inference only: return_intermediate_states)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu):
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
+                chunk_size):
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
         # the products' precision follows v: q, k arrive in fp32 after the L2 norm whatever the input dtype
-        layout = _chunk_layout(cu_seqlens, q.shape[0], q.shape[1], q.device, cu_seqlens_cpu, v.dtype)
+        layout = _chunk_layout(cu_seqlens, q.shape[0], q.shape[1], q.device, cu_seqlens_cpu, v.dtype, chunk_size)
         o, ht, h, saved = _chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, layout)
         ctx.save_for_backward(q, k, v, g, beta, initial_state, *saved)
         ctx.scale, ctx.layout, ctx.g_dtype = scale, layout, g.dtype
@@ -694,7 +703,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         need_dh0 = initial_state is not None and ctx.needs_input_grad[6]
         dq, dk, dv, dg, dbeta, dh0 = _chunk_kda_bwd(q, k, v, g, beta, ctx.scale, initial_state, ctx.layout,
                                                     saved, do, dht, need_dh0)
-        return dq, dk, dv, dg.to(ctx.g_dtype), dbeta.to(beta.dtype), None, dh0, None, None, None
+        return dq, dk, dv, dg.to(ctx.g_dtype), dbeta.to(beta.dtype), None, dh0, None, None, None, None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -707,11 +716,8 @@ def _check_kernel_inputs(name, tensors, HV, H, chunk_size=CHUNK_SIZE):
         if x is not None and x.dtype not in _KERNEL_DTYPES:
             raise TypeError(f"{name}: the Triton kernels take float32, bfloat16 or float16; {arg} is {x.dtype} "
                             "(float64 runs on backend='torch' or 'reference')")
-    if chunk_size not in (32, 64):
+    if chunk_size not in CHUNK_SIZES:
         raise ValueError(f"`chunk_size` must be either 32 or 64 for KDA, got {chunk_size}.")
-    if chunk_size != CHUNK_SIZE:
-        raise NotImplementedError(f"chunk_size={chunk_size} is not supported by the Triton kernels yet (they use "
-                                  f"{CHUNK_SIZE}); use backend='torch'")
     if HV % H:
         raise ValueError(f"{name}: the value heads (HV={HV}, from v) must be a multiple of the q/k heads (H={H})")
 
@@ -772,7 +778,7 @@ def chunk_kda_triton(q, k, v, g, beta, scale, initial_state=None, output_final_s
     if state_v_first and initial_state is not None:
         initial_state = initial_state.transpose(-1, -2).contiguous()
     o, ht, h = ChunkKDAFunction.apply(q, k, v, g, beta, float(scale), initial_state, output_final_state,
-                                      cu_seqlens, cu_seqlens_cpu)
+                                      cu_seqlens, cu_seqlens_cpu, chunk_size)
     if state_v_first:
         ht = ht.transpose(-1, -2) if ht is not None else None
         h = h.transpose(-1, -2)

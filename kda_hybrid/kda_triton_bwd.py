@@ -25,7 +25,6 @@ from .kda_triton import (
     CHUNK_BWD_BV,
     CHUNK_BWD_NUM_STAGES,
     CHUNK_BWD_NUM_WARPS,
-    CHUNK_SIZE,
     GATE_FLOOR,
     NEG_INF,
     STATE_BWD_NUM_STAGES,
@@ -321,7 +320,7 @@ def _state_scan_bwd(q, k, w, G, Aqk, do, dht, scale, layout, need_dh0):
     dh0 = torch.empty(N, HV, K, V, **f32) if need_dh0 else None
     _kda_state_bwd_kernel[(triton.cdiv(V, BVS), N, HV)](
         q, k, w, G, Aqk, do, dht if dht is not None else dh, dh0 if dh0 is not None else dh, dh, dv_new,
-        cu, chunk_offsets, scale, H=H, HV=HV, K=K, V=V, BT=CHUNK_SIZE, BK=BK, BV=BVS, HAS_DHT=dht is not None,
+        cu, chunk_offsets, scale, H=H, HV=HV, K=K, V=V, BT=layout.chunk_size, BK=BK, BV=BVS, HAS_DHT=dht is not None,
         STORE_DH0=dh0 is not None, DOT_PREC=layout.dot_precision, num_warps=4, num_stages=STATE_BWD_NUM_STAGES)
     return dh, dv_new, dh0
 
@@ -340,12 +339,13 @@ def _chunk_bwd(q, k, v, G, beta, h, dh, v_new, dv_new, w, u, Ai, do, scale, layo
     dG = torch.empty(B, T, HV, K, **f32)
     dbeta = torch.empty(B, T, HV, **f32)
     dv = torch.empty_like(v)
-    dAqk = torch.empty(B, T, HV, CHUNK_SIZE, **f32)
-    dAkk = torch.empty(B, T, HV, CHUNK_SIZE, **f32)
+    dAqk = torch.empty(B, T, HV, layout.chunk_size, **f32)
+    dAkk = torch.empty(B, T, HV, layout.chunk_size, **f32)
     _kda_chunk_bwd_kernel[(chunk_indices.shape[0], HV)](
         q, k, v, G, beta, h, dh, v_new, dv_new, w, u, Ai, do.contiguous(), dq, dk, dv, dbeta, dG, dAqk, dAkk,
-        cu, chunk_indices, scale, H=H, HV=HV, K=K, V=V, BT=CHUNK_SIZE, BK=_block(K), BV=min(_block(V), CHUNK_BWD_BV),
-        DOT_PREC=layout.dot_precision, num_warps=CHUNK_BWD_NUM_WARPS, num_stages=CHUNK_BWD_NUM_STAGES)
+        cu, chunk_indices, scale, H=H, HV=HV, K=K, V=V, BT=layout.chunk_size, BK=_block(K),
+        BV=min(_block(V), CHUNK_BWD_BV), DOT_PREC=layout.dot_precision, num_warps=CHUNK_BWD_NUM_WARPS,
+        num_stages=CHUNK_BWD_NUM_STAGES)
     return dq, dk, dv, dbeta, dG, dAqk, dAkk
 
 
@@ -356,8 +356,8 @@ def _gated_products_bwd(q, k, g, G, beta, dAqk, dAkk, dq, dk, dbeta, dG, scale, 
     B, T, H, K = q.shape
     HV = G.shape[2]
     _kda_intra_bwd_kernel[(chunk_indices.shape[0], HV)](
-        q, k, g, G, beta, dAqk, dAkk, dq, dk, dbeta, dG, cu, chunk_indices, scale, H=H, HV=HV, K=K, BT=CHUNK_SIZE,
-        BC=SUB_CHUNK, BK=_block(K), DOT_PREC=layout.dot_precision)
+        q, k, g, G, beta, dAqk, dAkk, dq, dk, dbeta, dG, cu, chunk_indices, scale, H=H, HV=HV, K=K,
+        BT=layout.chunk_size, BC=SUB_CHUNK, BK=_block(K), DOT_PREC=layout.dot_precision)
     return dq, dk, dbeta, dG
 
 

@@ -364,7 +364,7 @@ SM90_MAX_SHARED = 232448  # bytes of shared memory one block may use on sm_90
 
 def _compile_all_for_sm90(dtype: str) -> list[str]:
     """Compile the nine kernels (six forward, three backward) at K = V = 128 for `dtype` inputs, with the
-    launchers' warps and stages; returns one line per kernel."""
+    launchers' warps and stages, and the WY solve's chunk_size-32 form; returns one line per kernel."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -383,6 +383,7 @@ def _compile_all_for_sm90(dtype: str) -> list[str]:
         (kt._kda_gate_cumsum_kernel, base, 3),
         (kt._kda_intra_fwd_kernel, dict(base, BC=16, DOT_PREC=prec), 3),
         (kt._kda_solve_wu_kernel, dict(base, V=128, BC=16, BV=128, DOT_PREC=prec), 3),
+        (kt._kda_solve_wu_kernel, dict(base, BT=32, V=128, BC=16, BV=128, DOT_PREC=prec), 3),  # chunk_size 32
         (kt._kda_state_scan_kernel, dict(base, V=128, BV=32, HAS_H0=True, STORE_HT=True, DOT_PREC=prec),
          kt.SCAN_NUM_STAGES),
         (kt._kda_output_kernel, dict(base, V=128, BV=64, DOT_PREC=prec), 3),
@@ -449,12 +450,11 @@ def _stage_inputs():
     return [x.to(DEVICE).contiguous() for x in (q, k, v, g, beta, h0, cu, do, dht)]  # launchers take contiguous
 
 
-@pytest.fixture(scope="module")
-def stage_data():
+def _twin_intermediates(chunk_size):
     """Every intermediate of the forward and backward, from the twins."""
     q, k, v, g, beta, h0, cu, do, dht = _stage_inputs()
     st, scale = kda_stages, 0.25
-    layout = kda_triton._chunk_layout(cu, 1, q.shape[1], q.device)
+    layout = kda_triton._chunk_layout(cu, 1, q.shape[1], q.device, chunk_size=chunk_size)
     G = st.gate_cumsum_ref(g, layout)
     Akk, Aqk = st.gated_products_ref(q, k, G, beta, scale, layout)
     Ai, w, u = st.wy_solve_ref(k, v, G, beta, Akk, layout)
@@ -468,10 +468,15 @@ def stage_data():
     return {name: value for name, value in locals().items() if name not in ("st",)}
 
 
+@pytest.fixture(scope="module")
+def stage_data():
+    return _twin_intermediates(64)
+
+
 def _lower_mask(layout, T, strict):
     """[1, T, 1, BT]: the columns of each row's chunk row that the kernels read (c <= position of the row in
     its chunk, c < it if strict)."""
-    mask = torch.zeros(1, T, 1, kda_triton.CHUNK_SIZE, dtype=torch.bool)
+    mask = torch.zeros(1, T, 1, layout.chunk_size, dtype=torch.bool)
     for sl, _, _ in kda_stages._chunks(layout):
         for p, t in enumerate(range(sl.start, sl.stop)):
             mask[0, t, 0, : p + (0 if strict else 1)] = True
@@ -632,8 +637,6 @@ def test_triton_entry_points_reject_float64_and_unknown_chunk_size():
     q, k, v, g, beta, _ = make_inputs(1, 3, 1, 16, 16)
     with pytest.raises(ValueError, match="`chunk_size` must be either 32 or 64 for KDA, got 48"):
         kda_triton.chunk_kda_triton(q, k, v, g, beta, 0.25, chunk_size=48)
-    with pytest.raises(NotImplementedError, match="chunk_size=32 is not supported by the Triton kernels yet"):
-        kda_triton.chunk_kda_triton(q, k, v, g, beta, 0.25, chunk_size=32)
     with pytest.raises(ValueError, match="allow_neg_eigval"):
         kda_triton.chunk_kda_triton(q, k, v, g, beta, 0.25, allow_neg_eigval=True)
 
@@ -782,3 +785,31 @@ def test_chunk_cu_seqlens_cpu_gives_the_same_result():
     o_ref, _ = recurrent_kda_reference(*args, 0.25, cu_seqlens=cu_cpu)
     assert_close_rel(o, o_ref)
     assert all(torch.isfinite(x.grad).all() for x in args)
+
+
+def test_stage_wy_solve_chunk32():
+    """chunk_size 32: the solve kernel's two-block form (row and column blocks 2, 3 masked) against its twin."""
+    d = _twin_intermediates(32)
+    Ai, w, u = kda_triton._wy_solve_fwd(d["k"], d["v"], d["G"], d["beta"], d["Akk"], d["layout"])
+    for name, got in (("Ai", Ai), ("w", w), ("u", u)):
+        _check_stage(name, got, d[name])
+
+
+def test_chunk_size_32_matches_reference():
+    """fla's chunk_size=32 on the whole Triton pipeline (T = 40: a chunk and an 8-token tail, GVA, l2norm):
+    output, final state and every gradient against the reference."""
+    B, T, H, HV, K, V = 1, 40, 1, 2, 16, 16
+    q, k, v, g, beta, h0 = to_device(make_inputs(B, T, HV, K, V, init_state=True, seed=16))
+    q, k = q[:, :, :H].contiguous(), k[:, :, :H].contiguous()
+    leaves = [x.requires_grad_() for x in (q, k, v, g, beta, h0)]
+    gen = torch.Generator().manual_seed(17)
+    do, dht = to_device((torch.randn(B, T, HV, V, generator=gen), torch.randn(B, HV, K, V, generator=gen)))
+
+    def ours():
+        return kda_triton.chunk_kda_triton(*leaves[:5], 0.25, leaves[5], True, True, chunk_size=32)
+
+    def ref():
+        qr, kr = (x.repeat_interleave(HV // H, 2) for x in leaves[:2])
+        return recurrent_kda_reference(qr, kr, *leaves[2:5], 0.25, leaves[5], True, True)
+
+    _compare_all(_grads(ours, leaves, do, dht), _grads(ref, leaves, do, dht), "q k v g beta h0".split())

@@ -11,8 +11,7 @@ import os
 import pytest
 import torch
 
-from kda_hybrid import chunk_kda, fused_recurrent_kda
-from kda_hybrid import kda_ops
+from kda_hybrid import chunk_kda, fused_recurrent_kda, kda_ops, kda_stages
 from kda_hybrid.kda_torch import chunk_kda_torch, recurrent_kda_reference
 
 from .test_ops import assert_close_rel, assert_matches_reference, make_inputs
@@ -365,32 +364,37 @@ SM90_MAX_SHARED = 232448  # bytes of shared memory one block may use on sm_90
 
 def _compile_all_for_sm90(dtype: str) -> list[str]:
     """Compile the nine kernels (six forward, three backward) at K = V = 128 for `dtype` inputs, with the
-    launchers' warps and stages; returns one line per kernel."""
+    launchers' warps and stages, and the WY solve's chunk_size-32 form; returns one line per kernel."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+
+    from kda_hybrid import kda_triton_bwd as ktb
 
     kt = kda_triton
     prec = "ieee" if dtype == "fp32" else "tf32"
     fp32_buffers = ("G", "Akk", "Aqk", "Ai", "w", "u", "h0", "ht", "h", "v_new", "dht", "dh0", "dh", "dv_new",
                     "dq", "dk", "dbeta", "dG", "dAqk", "dAkk")
-    types = dict(cu_seqlens="*i32", chunk_indices="*i32", chunk_offsets="*i32", scale="fp32", T="i32", H="i32",
+    types = dict(cu_seqlens="*i32", chunk_indices="*i32", chunk_offsets="*i32", state_indices="*i32", scale="fp32",
+                 T="i32", H="i32", HV="i32",
                  **{n: "*fp32" for n in fp32_buffers})
     base = dict(K=128, BT=64, BK=128)
     jobs = [
         (kt._kda_gate_cumsum_kernel, base, 3),
         (kt._kda_intra_fwd_kernel, dict(base, BC=16, DOT_PREC=prec), 3),
         (kt._kda_solve_wu_kernel, dict(base, V=128, BC=16, BV=128, DOT_PREC=prec), 3),
+        (kt._kda_solve_wu_kernel, dict(base, BT=32, V=128, BC=16, BV=128, DOT_PREC=prec), 3),  # chunk_size 32
         (kt._kda_state_scan_kernel, dict(base, V=128, BV=32, HAS_H0=True, STORE_HT=True, DOT_PREC=prec),
          kt.SCAN_NUM_STAGES),
         (kt._kda_output_kernel, dict(base, V=128, BV=64, DOT_PREC=prec), 3),
         (kt._kda_fused_recurrent_kernel, dict(K=128, V=128, BK=128, BV=32, IS_VARLEN=False, HAS_H0=True,
-                                              STORE_HT=True, USE_QK_L2NORM=True, L2_EPS=1e-6), 3),
-        (kt._kda_state_bwd_kernel, dict(base, V=128, BV=32, HAS_DHT=True, STORE_DH0=True, DOT_PREC=prec),
+                                              STORE_HT=True, USE_QK_L2NORM=True, L2_EPS=1e-6, HAS_INDICES=True,
+                                              HT_AT_INDEX=True, STATE_V_FIRST=False), 3),
+        (ktb._kda_state_bwd_kernel, dict(base, V=128, BV=32, HAS_DHT=True, STORE_DH0=True, DOT_PREC=prec),
          kt.STATE_BWD_NUM_STAGES),
-        (kt._kda_chunk_bwd_kernel, dict(base, V=128, BV=kt.CHUNK_BWD_BV, DOT_PREC=prec),
+        (ktb._kda_chunk_bwd_kernel, dict(base, V=128, BV=kt.CHUNK_BWD_BV, DOT_PREC=prec),
          kt.CHUNK_BWD_NUM_STAGES, kt.CHUNK_BWD_NUM_WARPS),
-        (kt._kda_intra_bwd_kernel, dict(base, BC=16, DOT_PREC=prec), 3),
+        (ktb._kda_intra_bwd_kernel, dict(base, BC=16, DOT_PREC=prec), 3),
     ]
     lines = []
     for lazy, consts, stages, *warps in jobs:
@@ -419,3 +423,393 @@ def test_kernels_compile_for_sm90(dtype):
     if run.returncode != 0 and "ptxas" in run.stderr and "not found" in run.stderr:
         pytest.skip("triton's bundled ptxas is missing")
     assert run.returncode == 0, run.stderr[-3000:]
+
+
+# ------------------------------------------------------------------------------------------------
+# Stage twins: every Triton stage launcher against its PyTorch twin in kda_stages (same signature), fed the
+# same inputs (the twins' own intermediates), so that a wrong result points at one kernel. Grouped value
+# heads (H = 1, HV = 2) in every stage, packed sequences of 5 and 70 tokens (a partial chunk, a whole chunk,
+# a 6-token tail), g about -20 per token in one head's tokens (strong decay) and one g = -inf reset.
+# ------------------------------------------------------------------------------------------------
+
+STAGE_LENS = (5, 70)
+
+
+def _stage_inputs():
+    H, HV, K, V = 1, 2, 16, 32
+    T = sum(STAGE_LENS)
+    q, k, v, g, beta, _ = make_inputs(1, T, HV, K, V, seed=3)
+    q, k = q[:, :, :H], k[:, :, :H]
+    g[:, :, 1] = g[:, :, 1] * 20.0  # value head 1: strong decay
+    g[0, 40, 0] = float("-inf")  # a full reset of value head 0 inside the second sequence's first chunk
+    cu = torch.tensor([0, *torch.tensor(STAGE_LENS).cumsum(0).tolist()], dtype=torch.int32)
+    h0 = torch.randn(len(STAGE_LENS), HV, K, V, generator=torch.Generator().manual_seed(4))
+    gen = torch.Generator().manual_seed(5)
+    do = torch.randn(1, T, HV, V, generator=gen)
+    dht = torch.randn(len(STAGE_LENS), HV, K, V, generator=gen)
+    return [x.to(DEVICE).contiguous() for x in (q, k, v, g, beta, h0, cu, do, dht)]  # launchers take contiguous
+
+
+def _twin_intermediates(chunk_size):
+    """Every intermediate of the forward and backward, from the twins."""
+    q, k, v, g, beta, h0, cu, do, dht = _stage_inputs()
+    st, scale = kda_stages, 0.25
+    layout = kda_triton._chunk_layout(cu, 1, q.shape[1], q.device, chunk_size=chunk_size)
+    G = st.gate_cumsum_ref(g, layout)
+    Akk, Aqk = st.gated_products_ref(q, k, G, beta, scale, layout)
+    Ai, w, u = st.wy_solve_ref(k, v, G, beta, Akk, layout)
+    h, v_new, ht = st.state_scan_ref(k, w, u, G, h0, True, layout)
+    o = st.output_ref(q, G, Aqk, h, v_new, scale, layout, v.dtype)
+    dh, dv_new, dh0 = st.state_scan_bwd_ref(q, k, w, G, Aqk, do, dht, scale, layout, True)
+    dq, dk, dv, dbeta, dG, dAqk, dAkk = st.chunk_bwd_ref(q, k, v, G, beta, h, dh, v_new, dv_new, w, u, Ai, do,
+                                                         scale, layout)
+    dq2, dk2, dbeta2, dg = st.gated_products_bwd_ref(q, k, g, G, beta, dAqk, dAkk, dq, dk, dbeta, dG, scale,
+                                                     layout)
+    return {name: value for name, value in locals().items() if name not in ("st",)}
+
+
+@pytest.fixture(scope="module")
+def stage_data():
+    return _twin_intermediates(64)
+
+
+def _lower_mask(layout, T, strict):
+    """[1, T, 1, BT]: the columns of each row's chunk row that the kernels read (c <= position of the row in
+    its chunk, c < it if strict)."""
+    mask = torch.zeros(1, T, 1, layout.chunk_size, dtype=torch.bool)
+    for sl, _, _ in kda_stages._chunks(layout):
+        for p, t in enumerate(range(sl.start, sl.stop)):
+            mask[0, t, 0, : p + (0 if strict else 1)] = True
+    return mask.to(DEVICE)
+
+
+def _check_stage(name, got, ref, rel=1e-5, mask=None):
+    if mask is not None:
+        got, ref = torch.where(mask, got, 0.0), torch.where(mask, ref, 0.0)
+    assert torch.isfinite(got).all(), f"{name}: non-finite values (an unwritten tile or a NaN exponent)"
+    assert_close_rel(got, ref, rel=rel, name=name)
+
+
+def test_twin_pipeline_matches_reference(stage_data):
+    """The twins composed end to end equal the token-by-token reference (o, final state, every gradient), so
+    they are oracles worth testing the kernels against. GVA: the reference gets q, k repeated per value head."""
+    d = stage_data
+    q, k, v, g, beta, h0 = (d[n].detach().requires_grad_() for n in ("q", "k", "v", "g", "beta", "h0"))
+    rep = v.shape[2] // q.shape[2]
+    o, s = recurrent_kda_reference(q.repeat_interleave(rep, 2), k.repeat_interleave(rep, 2), v, g, beta, 0.25,
+                                   h0, True, cu_seqlens=d["cu"])
+    ((o * d["do"]).sum() + (s * d["dht"]).sum()).backward()
+    assert_close_rel(d["o"], o, name="o")
+    assert_close_rel(d["ht"], s, name="final state")
+    B, T, H, K = q.shape
+    dq = d["dq2"].view(B, T, H, rep, K).sum(3)
+    dk = d["dk2"].view(B, T, H, rep, K).sum(3)
+    for name, got, ref in (("dq", dq, q.grad), ("dk", dk, k.grad), ("dv", d["dv"], v.grad),
+                           ("dg", d["dg"], g.grad), ("dbeta", d["dbeta2"], beta.grad), ("dh0", d["dh0"], h0.grad)):
+        assert torch.isfinite(ref).all(), name
+        assert_close_rel(got, ref, rel=2e-5, name=name)
+
+
+def test_stage_gate_cumsum(stage_data):
+    d = stage_data
+    _check_stage("G", kda_triton._gate_cumsum_fwd(d["g"], d["layout"]), d["G"])
+
+
+def test_stage_gated_products(stage_data):
+    d = stage_data
+    Akk, Aqk = kda_triton._gated_products_fwd(d["q"], d["k"], d["G"], d["beta"], d["scale"], d["layout"])
+    T = d["q"].shape[1]
+    _check_stage("A_kk", Akk, d["Akk"], mask=_lower_mask(d["layout"], T, strict=True))
+    _check_stage("A_qk", Aqk, d["Aqk"], mask=_lower_mask(d["layout"], T, strict=False))
+
+
+def test_stage_wy_solve(stage_data):
+    d = stage_data
+    Ai, w, u = kda_triton._wy_solve_fwd(d["k"], d["v"], d["G"], d["beta"], d["Akk"], d["layout"])
+    for name, got in (("Ai", Ai), ("w", w), ("u", u)):
+        _check_stage(name, got, d[name])
+
+
+def test_stage_state_scan(stage_data):
+    d = stage_data
+    h, v_new, ht = kda_triton._state_scan_fwd(d["k"], d["w"], d["u"], d["G"], d["h0"], True, d["layout"])
+    for name, got in (("h", h), ("v_new", v_new), ("ht", ht)):
+        _check_stage(name, got, d[name])
+
+
+def test_stage_output(stage_data):
+    d = stage_data
+    o = kda_triton._output_fwd(d["q"], d["G"], d["Aqk"], d["h"], d["v_new"], d["scale"], d["layout"], d["v"].dtype)
+    _check_stage("o", o, d["o"])
+
+
+def test_stage_state_scan_bwd(stage_data):
+    from kda_hybrid import kda_triton_bwd
+
+    d = stage_data
+    dh, dv_new, dh0 = kda_triton_bwd._state_scan_bwd(d["q"], d["k"], d["w"], d["G"], d["Aqk"], d["do"], d["dht"],
+                                                     d["scale"], d["layout"], True)
+    for name, got in (("dh", dh), ("dv_new", dv_new), ("dh0", dh0)):
+        _check_stage(name, got, d[name])
+
+
+def test_stage_chunk_bwd(stage_data):
+    from kda_hybrid import kda_triton_bwd
+
+    d = stage_data
+    outs = kda_triton_bwd._chunk_bwd(*(d[n] for n in ("q", "k", "v", "G", "beta", "h", "dh", "v_new", "dv_new",
+                                                      "w", "u", "Ai", "do", "scale", "layout")))
+    T = d["q"].shape[1]
+    masks = dict(dAqk=_lower_mask(d["layout"], T, strict=False), dAkk=_lower_mask(d["layout"], T, strict=True))
+    for name, got in zip(("dq", "dk", "dv", "dbeta", "dG", "dAqk", "dAkk"), outs):
+        _check_stage(name, got, d[name], rel=2e-5 if name == "dG" else 1e-5, mask=masks.get(name))
+
+
+def test_stage_gated_products_bwd(stage_data):
+    from kda_hybrid import kda_triton_bwd
+
+    d = stage_data
+    ins = [d[n].clone() for n in ("dq", "dk", "dbeta", "dG")]  # updated in place by the kernel
+    outs = kda_triton_bwd._gated_products_bwd(d["q"], d["k"], d["g"], d["G"], d["beta"], d["dAqk"], d["dAkk"],
+                                              *ins, d["scale"], d["layout"])
+    for name, got in zip(("dq2", "dk2", "dbeta2", "dg"), outs):
+        _check_stage(name, got, d[name], rel=2e-5 if name == "dg" else 1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# fla's options on the Triton entry points (issue 17) and g = -inf resets (issue 14), against fla's naive
+# references (fla.ops.kda.naive / gate) and our token-by-token reference, outputs and every gradient.
+# ------------------------------------------------------------------------------------------------
+
+
+def _grads(fn, leaves, do, dht=None):
+    """Run fn() -> (o, s), backprop <o, do> + <s, dht>; returns (o, s, grads of leaves)."""
+    for x in leaves:
+        x.grad = None
+    o, s = fn()
+    loss = (o * do).sum() + ((s * dht).sum() if dht is not None else 0.0)
+    loss.backward()
+    return o.detach(), (None if s is None else s.detach()), [x.grad.clone() for x in leaves]
+
+
+def _compare_all(got, ref, names, rel=2e-5):
+    o, s, grads = got
+    o_ref, s_ref, grads_ref = ref
+    assert_close_rel(o, o_ref, name="o")
+    if s_ref is not None:
+        assert_close_rel(s, s_ref, name="final state")
+    for name, a, b in zip(names, grads, grads_ref):
+        assert torch.isfinite(a).all(), f"d{name} not finite"
+        assert_close_rel(a, b, rel=rel, name=f"d{name}")
+
+
+def test_reset_gate_minus_inf_chunk_and_decode():
+    """g = -inf (a full reset: the state is cleared) at a token inside a chunk, at a chunk's first token, and in
+    one channel only: the Triton chunk path (output, final state, all gradients) and the decode kernel give the
+    reference's result, no NaN."""
+    B, T, H, K, V = 1, 70, 1, 16, 16
+    q, k, v, g, beta, h0 = to_device(make_inputs(B, T, H, K, V, init_state=True, seed=7))
+    g[0, 3, 0, :] = float("-inf")
+    g[0, 64, 0, :] = float("-inf")
+    g[0, 69, 0, 5] = float("-inf")
+    leaves = [x.detach().requires_grad_() for x in (q, k, v, g, beta, h0)]
+    gen = torch.Generator().manual_seed(8)
+    do, dht = torch.randn(B, T, H, V, generator=gen).to(DEVICE), torch.randn(B, H, K, V, generator=gen).to(DEVICE)
+
+    def run(fn):
+        return lambda: fn(*leaves[:5], 0.25, leaves[5], True)
+
+    got = _grads(run(kda_triton.chunk_kda_triton), leaves, do, dht)
+    ref = _grads(run(recurrent_kda_reference), leaves, do, dht)
+    assert torch.isfinite(ref[2][3]).all()
+    _compare_all(got, ref, "q k v g beta h0".split())
+    with torch.no_grad():
+        o, s = kda_triton.fused_recurrent_kda_triton(q, k, v, g, beta, 0.25, h0, True)
+    assert_close_rel(o, ref[0], name="decode o")
+    assert_close_rel(s, ref[1], name="decode state")
+
+
+def test_triton_entry_points_reject_float64_and_unknown_chunk_size():
+    q, k, v, g, beta, _ = make_inputs(1, 3, 1, 16, 16, dtype=torch.float64)
+    for fn in (kda_triton.chunk_kda_triton, kda_triton.fused_recurrent_kda_triton):
+        with pytest.raises(TypeError, match="float64"):
+            fn(q, k, v, g, beta, 0.25)
+    q, k, v, g, beta, _ = make_inputs(1, 3, 1, 16, 16)
+    with pytest.raises(ValueError, match="`chunk_size` must be either 32 or 64 for KDA, got 48"):
+        kda_triton.chunk_kda_triton(q, k, v, g, beta, 0.25, chunk_size=48)
+    with pytest.raises(ValueError, match="allow_neg_eigval"):
+        kda_triton.chunk_kda_triton(q, k, v, g, beta, 0.25, allow_neg_eigval=True)
+
+
+def _fla_naive():
+    naive = pytest.importorskip("fla.ops.kda.naive")
+    gate = pytest.importorskip("fla.ops.kda.gate")
+    return naive, gate
+
+
+# (gate form, beta form): raw g through fla's gate, beta through sigmoid (2 sigmoid with allow_neg_eigval)
+OPTION_CASES = [
+    pytest.param("softplus", None, id="gva-gate-softplus"),
+    pytest.param("lower_bound", "sigmoid", id="gva-gate-lowerbound-beta-sigmoid"),
+    pytest.param("lower_bound_no_A", "neg_eigval", id="gva-gate-lowerbound-noA-neg-eigval"),
+]
+
+
+@pytest.mark.parametrize("gate_form,beta_form", OPTION_CASES)
+def test_chunk_options_match_fla_naive(gate_form, beta_form):
+    """GVA (H = 1, HV = 2), use_gate_in_kernel with A_log / dt_bias (both gate forms), use_beta_sigmoid_in_kernel
+    and allow_neg_eigval, against fla's naive_kda_gate / naive_kda_lowerbound_gate + naive_recurrent_kda:
+    output, final state and the gradients of q, k, v, raw g, raw beta, A_log, dt_bias, h0."""
+    naive, gate = _fla_naive()
+    B, T, H, HV, K, V = 1, 20, 1, 2, 16, 16
+    q, k, v, g, beta, h0 = make_inputs(B, T, HV, K, V, init_state=True, seed=9)
+    q, k = q[:, :, :H].contiguous(), k[:, :, :H].contiguous()
+    gen = torch.Generator().manual_seed(10)
+    g_raw = torch.randn(B, T, HV, K, generator=gen)
+    beta_raw = torch.randn(B, T, HV, generator=gen) if beta_form else beta
+    A_log = torch.randn(HV, generator=gen) * 0.5
+    dt_bias = torch.randn(HV * K, generator=gen) * 0.5
+    do, dht = torch.randn(B, T, HV, V, generator=gen), torch.randn(B, HV, K, V, generator=gen)
+    lower_bound = None if gate_form == "softplus" else -3.0
+    use_A = gate_form != "lower_bound_no_A"
+    leaves = [x.requires_grad_() for x in to_device((q, k, v, g_raw, beta_raw, h0, dt_bias))]
+    a_log = to_device([A_log])[0].requires_grad_() if use_A else None
+    leaves_all = leaves + ([a_log] if use_A else [])
+    do, dht = to_device((do, dht))
+
+    def ours():
+        return kda_triton.chunk_kda_triton(
+            *leaves[:5], 0.25, leaves[5], True, use_gate_in_kernel=True, A_log=a_log, dt_bias=leaves[6],
+            lower_bound=lower_bound, use_beta_sigmoid_in_kernel=beta_form is not None,
+            allow_neg_eigval=beta_form == "neg_eigval")
+
+    def fla():
+        if lower_bound is None:
+            g_act = gate.naive_kda_gate(leaves[3], a_log, leaves[6])
+        else:
+            g_act = gate.naive_kda_lowerbound_gate(leaves[3], a_log, leaves[6], lower_bound=lower_bound)
+        b = leaves[4]
+        if beta_form is not None:
+            b = torch.sigmoid(b) * (2.0 if beta_form == "neg_eigval" else 1.0)
+        return naive.naive_recurrent_kda(leaves[0], leaves[1], leaves[2], g_act, b, 0.25, leaves[5], True)
+
+    names = "q k v g beta h0 dt_bias".split() + (["A_log"] if use_A else [])
+    _compare_all(_grads(ours, leaves_all, do, dht), _grads(fla, leaves_all, do, dht), names)
+
+
+def test_decode_options_gva_gate_state_v_first_match_fla_naive():
+    """The decode kernel with GVA, the in-kernel gate, beta sigmoid and state_v_first ([N, HV, V, K] states),
+    varlen, in place, against fla's naive gate + naive_recurrent_kda per sequence."""
+    naive, gate = _fla_naive()
+    lens, H, HV, K, V = (3, 1, 4), 1, 2, 16, 32
+    T = sum(lens)
+    q, k, v, _, _, _ = to_device(make_inputs(1, T, HV, K, V, seed=11))
+    q, k = q[:, :, :H].contiguous(), k[:, :, :H].contiguous()
+    gen = torch.Generator().manual_seed(12)
+    g_raw, beta_raw = to_device((torch.randn(1, T, HV, K, generator=gen), torch.randn(1, T, HV, generator=gen)))
+    A_log, dt_bias = to_device((torch.randn(HV, generator=gen) * 0.5, torch.randn(HV * K, generator=gen) * 0.5))
+    h0 = to_device([torch.randn(len(lens), HV, K, V, generator=gen)])[0]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    state = h0.transpose(-1, -2).contiguous()  # V-first
+    o, s = kda_triton.fused_recurrent_kda_triton(
+        q, k, v, g_raw, beta_raw, 0.25, state, True, False, cu, True, use_gate_in_kernel=True, A_log=A_log,
+        dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True, state_v_first=True)
+    assert s.data_ptr() == state.data_ptr() and s.shape == (len(lens), HV, V, K)
+    g_act, b_act = gate.naive_kda_gate(g_raw, A_log, dt_bias), torch.sigmoid(beta_raw)
+    for i, (b, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        o_i, s_i = naive.naive_recurrent_kda(q[:, b:e], k[:, b:e], v[:, b:e], g_act[:, b:e], b_act[:, b:e], 0.25,
+                                             h0[i: i + 1], True)
+        assert_close_rel(o[:, b:e], o_i, name=f"seq {i} o")
+        assert_close_rel(s[i: i + 1].transpose(-1, -2), s_i, name=f"seq {i} state")
+
+
+def test_chunk_state_v_first_and_intermediate_states():
+    """state_v_first: [N, HV, V, K] states in and out, gradient to h0 included; return_intermediate_states:
+    the state entering every chunk (h[:, 0] = h0, h[:, 1] = the reference's state after 64 tokens)."""
+    B, T, H, K, V = 2, 70, 1, 16, 32
+    q, k, v, g, beta, h0 = to_device(make_inputs(B, T, H, K, V, init_state=True, seed=13))
+    with torch.no_grad():
+        o, s, h = kda_triton.chunk_kda_triton(q, k, v, g, beta, 0.25, h0.transpose(-1, -2).contiguous(), True,
+                                              state_v_first=True, return_intermediate_states=True)
+        o_ref, s_ref = recurrent_kda_reference(q, k, v, g, beta, 0.25, h0, True)
+        _, s64 = recurrent_kda_reference(q[:, :64], k[:, :64], v[:, :64], g[:, :64], beta[:, :64], 0.25, h0, True)
+    assert s.shape == (B, H, V, K) and h.shape == (B, 2, H, V, K)
+    assert_close_rel(o, o_ref)
+    assert_close_rel(s.transpose(-1, -2), s_ref, name="final state")
+    assert_close_rel(h[:, 0].transpose(-1, -2), h0, name="h[:, 0]")
+    assert_close_rel(h[:, 1].transpose(-1, -2), s64, name="h[:, 1]")
+    leaf = h0.transpose(-1, -2).contiguous().requires_grad_()
+    with pytest.raises(ValueError, match="inference only"):
+        kda_triton.chunk_kda_triton(q, k, v, g, beta, 0.25, leaf, True, state_v_first=True,
+                                    return_intermediate_states=True)
+    o, s = kda_triton.chunk_kda_triton(q, k, v, g, beta, 0.25, leaf, True, state_v_first=True)
+    (o.sum() + (s * s).sum()).backward()
+    h0_ref = h0.clone().requires_grad_()
+    o_r, s_r = recurrent_kda_reference(q, k, v, g, beta, 0.25, h0_ref, True)
+    (o_r.sum() + (s_r * s_r).sum()).backward()
+    assert_close_rel(leaf.grad.transpose(-1, -2), h0_ref.grad, rel=2e-5, name="dh0")
+
+
+def test_decode_state_pool_indices():
+    """ssm_state_indices: sequence n reads and (in place) writes pool row indices[n]; -1 is a padding slot (o = 0,
+    no row touched). Without in place, the final states come back per sequence (zeros for a padding slot)."""
+    B, T, H, K, V = 3, 2, 2, 16, 16
+    q, k, v, g, beta, _ = to_device(make_inputs(B, T, H, K, V, seed=14))
+    pool = torch.randn(4, H, K, V, generator=torch.Generator().manual_seed(15)).to(DEVICE)
+    idx = torch.tensor([2, -1, 0], dtype=torch.int32, device=DEVICE)
+    pool0 = pool.clone()
+    o_ref, s_ref = recurrent_kda_reference(q, k, v, g, beta, 0.25, pool0[[2, 0, 0]], True)
+    o2, s2 = kda_triton.fused_recurrent_kda_triton(q, k, v, g, beta, 0.25, pool, True, ssm_state_indices=idx)
+    assert torch.equal(pool, pool0)
+    assert_close_rel(o2[[0, 2]], o_ref[[0, 2]])
+    assert torch.equal(o2[1], torch.zeros_like(o2[1])) and torch.equal(s2[1], torch.zeros_like(s2[1]))
+    assert_close_rel(s2[[0, 2]], s_ref[[0, 2]])
+    o, s = kda_triton.fused_recurrent_kda_triton(q, k, v, g, beta, 0.25, pool, False, False, None, True,
+                                                 ssm_state_indices=idx)
+    assert s is None and torch.equal(o, o2)
+    assert_close_rel(pool[2], s_ref[0], name="pool row 2")
+    assert_close_rel(pool[0], s_ref[2], name="pool row 0")
+    assert torch.equal(pool[[1, 3]], pool0[[1, 3]])
+    with pytest.raises(ValueError, match="ssm_state_indices"):
+        kda_triton.fused_recurrent_kda_triton(q, k, v, g, beta, 0.25, pool, ssm_state_indices=idx[:2])
+
+
+def test_chunk_cu_seqlens_cpu_gives_the_same_result():
+    """cu_seqlens_cpu (fla's option: the chunk list is built from a host copy, no device sync) changes nothing;
+    the layout is built once in the forward and reused by the backward."""
+    lens, H, K, V = (5, 3), 1, 16, 16
+    args = [x.detach().requires_grad_() for x in to_device(make_inputs(1, sum(lens), H, K, V))[:5]]
+    cu_cpu = torch.tensor([0, 5, 8], dtype=torch.int32)
+    o, _ = kda_triton.chunk_kda_triton(*args, 0.25, cu_seqlens=cu_cpu.to(DEVICE), cu_seqlens_cpu=cu_cpu)
+    o.sum().backward()
+    o_ref, _ = recurrent_kda_reference(*args, 0.25, cu_seqlens=cu_cpu)
+    assert_close_rel(o, o_ref)
+    assert all(torch.isfinite(x.grad).all() for x in args)
+
+
+def test_stage_wy_solve_chunk32():
+    """chunk_size 32: the solve kernel's two-block form (row and column blocks 2, 3 masked) against its twin."""
+    d = _twin_intermediates(32)
+    Ai, w, u = kda_triton._wy_solve_fwd(d["k"], d["v"], d["G"], d["beta"], d["Akk"], d["layout"])
+    for name, got in (("Ai", Ai), ("w", w), ("u", u)):
+        _check_stage(name, got, d[name])
+
+
+def test_chunk_size_32_matches_reference():
+    """fla's chunk_size=32 on the whole Triton pipeline (T = 40: a chunk and an 8-token tail, GVA, l2norm):
+    output, final state and every gradient against the reference."""
+    B, T, H, HV, K, V = 1, 40, 1, 2, 16, 16
+    q, k, v, g, beta, h0 = to_device(make_inputs(B, T, HV, K, V, init_state=True, seed=16))
+    q, k = q[:, :, :H].contiguous(), k[:, :, :H].contiguous()
+    leaves = [x.requires_grad_() for x in (q, k, v, g, beta, h0)]
+    gen = torch.Generator().manual_seed(17)
+    do, dht = to_device((torch.randn(B, T, HV, V, generator=gen), torch.randn(B, HV, K, V, generator=gen)))
+
+    def ours():
+        return kda_triton.chunk_kda_triton(*leaves[:5], 0.25, leaves[5], True, True, chunk_size=32)
+
+    def ref():
+        qr, kr = (x.repeat_interleave(HV // H, 2) for x in leaves[:2])
+        return recurrent_kda_reference(qr, kr, *leaves[2:5], 0.25, leaves[5], True, True)
+
+    _compare_all(_grads(ours, leaves, do, dht), _grads(ref, leaves, do, dht), "q k v g beta h0".split())

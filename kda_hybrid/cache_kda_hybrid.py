@@ -433,7 +433,8 @@ class KDAHybridCache(Cache):
                 "KDAHybridCache(model.config)"
             )
         want, have = _shape_fields(config), _shape_fields(self.config)
-        diffs = [f"{name}: cache {have[name]!r}, model {want[name]!r}" for name in want if have[name] != want[name]]
+        diffs = [f"{name}: cache {have[name]!r}, model {want[name]!r}"  # (MLA and GQA fields differ by name)
+                 for name in want if name in have and have[name] != want[name]]
         if diffs:
             raise ValueError(f"this cache was built for other head shapes ({'; '.join(diffs)}): build a new "
                              "KDAHybridCache(model.config)")
@@ -591,13 +592,11 @@ class KDAHybridCache(Cache):
         return layer.recurrent_state if self._seen_tokens and layer.is_initialized else None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """Append to full-attention layer `layer_idx` (MLA: latent [B, 1, T, r] and rotary key [B, 1, T, rope];
-        GQA: keys and values [B, H_kv, T, D]); returns everything it holds. The token count advances only when
-        the model's forward ends (advance())."""
-        layer = self.layers[self._check_layer_idx(layer_idx)]
-        if not isinstance(layer, KVLayerState):
-            raise ValueError(f"update: layer {layer_idx} is a KDA layer; only full-attention layers hold keys/values")
-        return layer.update(key_states, value_states)
+        raise NotImplementedError(
+            "the model's attention layers append to their KVLayerState (cache.layers[i].update) and the token count "
+            "advances once the whole forward ends (advance()); an update of one layer from outside would leave the "
+            "layers holding different numbers of tokens"
+        )
 
     def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
         raise NotImplementedError(

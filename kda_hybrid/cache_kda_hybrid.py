@@ -42,10 +42,24 @@ _HASH_BASES = (1_000_003, 999_999_937)
 _HASH_CHUNK = 65536
 
 
+_HASH_CONSTANTS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _hash_constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(moduli, bases) as int64 [2] tensors on `device`, made once per device: a decode step then hashes its
+    token in three small ops, with no host-to-device copy."""
+    if device not in _HASH_CONSTANTS:
+        _HASH_CONSTANTS[device] = (torch.tensor(_HASH_MODULI, dtype=torch.int64, device=device),
+                                   torch.tensor(_HASH_BASES, dtype=torch.int64, device=device))
+    return _HASH_CONSTANTS[device]
+
+
 def _hash_extend(h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Fingerprint of (the tokens behind `h`) followed by `ids`. h: [B, 2] int64, ids: [B, T] integer -> [B, 2]."""
-    mod = torch.tensor(_HASH_MODULI, dtype=torch.int64, device=ids.device)
+    mod, base = _hash_constants(ids.device)
     h = h.to(ids.device)
+    if ids.shape[1] == 1:  # decode step: h * base + id + 1
+        return (h * base + (ids.to(torch.int64) + 1) % mod) % mod
     for start in range(0, ids.shape[1], _HASH_CHUNK):
         chunk = ids[:, start : start + _HASH_CHUNK].to(torch.int64)
         T = chunk.shape[1]
@@ -423,6 +437,16 @@ class KDAHybridCache(Cache):
     def check_compatible(self, config, batch_size: int | None = None) -> None:
         """Raise ValueError when this cache cannot serve a model with `config` on a batch of `batch_size`
         sequences: another layer pattern, other head counts or dims, or (once it holds tokens) another batch."""
+        if config is not self.config:  # (the usual case, the model's own config, has nothing to compare)
+            self._check_config(config)
+        if batch_size is not None and self._seen_tokens > 0 and self.batch_size not in (-1, batch_size):
+            raise ValueError(
+                f"the cache holds {self.batch_size} sequences but the input has batch size {batch_size}: continue "
+                "it with the same rows (cache.batch_select_indices / batch_repeat_interleave reshape it), or pass "
+                "a new KDAHybridCache"
+            )
+
+    def _check_config(self, config) -> None:
         types = list(config.layer_types)
         if types != self.layer_types:
             first = next((i for i, (a, b) in enumerate(zip(types, self.layer_types)) if a != b),
@@ -438,12 +462,6 @@ class KDAHybridCache(Cache):
         if diffs:
             raise ValueError(f"this cache was built for other head shapes ({'; '.join(diffs)}): build a new "
                              "KDAHybridCache(model.config)")
-        if batch_size is not None and self._seen_tokens > 0 and self.batch_size not in (-1, batch_size):
-            raise ValueError(
-                f"the cache holds {self.batch_size} sequences but the input has batch size {batch_size}: continue "
-                "it with the same rows (cache.batch_select_indices / batch_repeat_interleave reshape it), or pass "
-                "a new KDAHybridCache"
-            )
 
     def prepare_for_forward(self, config, batch_size: int, input_ids: torch.Tensor | None) -> None:
         """Called by the model at the top of each forward: check_compatible, bring offloaded layers back, and keep

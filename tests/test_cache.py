@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers.cache_utils import Cache
 
+import kda_hybrid.cache_kda_hybrid as cache_mod
 from kda_hybrid import KDAHybridCache, KDAHybridConfig, KDAHybridForCausalLM
 from kda_hybrid.cache_kda_hybrid import KDAHybridCacheLayer, KDALayerState, KVLayerState
 
@@ -306,6 +307,31 @@ def test_fingerprint_follows_crop_exactly(model):
     wrong[1, 8] = (wrong[1, 8] + 1) % VOCAB
     with pytest.raises(ValueError, match=r"rows \[1\] differ"):
         cache.check_generation_inputs(wrong, next_sequence_length=1, is_first_iteration=True)
+
+
+def test_fingerprint_hash_equals_python_integers(monkeypatch):
+    """The vectorised int64 hash against the polynomial computed token by token with Python's exact integers,
+    for one call, chunked calls, decode steps, and across the internal chunk boundary."""
+    ids = torch.randint(0, 163840, (3, 130), generator=torch.Generator().manual_seed(0))  # Kimi's vocab size
+    want = torch.tensor([[_python_hash(row.tolist(), b, p) for b, p in zip(cache_mod._HASH_BASES,
+                                                                         cache_mod._HASH_MODULI)] for row in ids])
+    zero = torch.zeros(3, 2, dtype=torch.int64)
+    assert torch.equal(cache_mod._hash_extend(zero, ids), want)
+    for step in (1, 7):
+        h = zero
+        for i in range(0, ids.shape[1], step):
+            h = cache_mod._hash_extend(h, ids[:, i : i + step])
+        assert torch.equal(h, want), step
+    monkeypatch.setattr(cache_mod, "_HASH_CHUNK", 32)
+    assert torch.equal(cache_mod._hash_extend(zero, ids), want)
+    assert not torch.equal(cache_mod._hash_extend(zero, ids.flip(1)), want)  # order matters
+
+
+def _python_hash(tokens, base, p):
+    h = 0
+    for t in tokens:
+        h = (h * base + t + 1) % p
+    return h
 
 
 def test_fingerprint_is_fixed_size_and_reported(model):

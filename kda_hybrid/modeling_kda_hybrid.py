@@ -273,7 +273,7 @@ class KDAHybridForCausalLM(KDAHybridPreTrainedModel, GenerationMixin):
     def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, cache=None, attention_mask=None,
                                       inputs_embeds=None, is_first_iteration=False, **kwargs):
         """generate()'s one look at the whole input_ids beside a user's cache: they must start with its tokens."""
-        if isinstance(cache, KDAHybridCache):
+        if isinstance(cache, KDAHybridCache) and inputs_embeds is None:
             cache.check_generation_inputs(input_ids, next_sequence_length, is_first_iteration)
         return super().prepare_inputs_for_generation(
             input_ids, next_sequence_length=next_sequence_length, cache=cache, attention_mask=attention_mask,

@@ -284,7 +284,15 @@ def test_cache_filled_from_embeddings_is_not_checked(model):
         model(inputs_embeds=model.get_input_embeddings()(ids), cache=cache)
     full = torch.cat([ids, prompt(B=1, T=2, seed=8)], 1)
     resumed = model.generate(full, cache=cache, max_new_tokens=3, do_sample=False)
-    assert torch.equal(resumed, model.generate(full, max_new_tokens=3, do_sample=False))
+    fresh = model.generate(full, max_new_tokens=3, do_sample=False)
+    assert torch.equal(resumed, fresh)
+    # and the other way round: a cache of token ids continued by generate(inputs_embeds=...) of the whole prompt
+    cache = KDAHybridCache(model.config)
+    with torch.no_grad():
+        model(ids, cache=cache)
+    new = model.generate(inputs_embeds=model.get_input_embeddings()(full), cache=cache, max_new_tokens=3,
+                         do_sample=False)
+    assert torch.equal(new, fresh[:, full.shape[1]:])
 
 
 def test_fingerprint_follows_crop_exactly(model):

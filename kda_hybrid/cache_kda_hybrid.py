@@ -17,7 +17,10 @@ early_initialization) checks its arguments and every layer first, and changes no
 The cache also keeps a fingerprint of the token ids it consumed (two 31-bit polynomial hashes per row, 16 bytes
 per sequence whatever the context length), so that `generate()` can refuse a cache that does not hold the start
 of the `input_ids` it is given (`check_generation_inputs`), and `check_compatible` refuses a cache built for
-another model or batch, before any tensor meets another of the wrong shape.
+another model or batch, before any tensor meets another of the wrong shape. What the fingerprint cannot see is
+not checked: a direct forward (it gets only the new tokens), a cache filled from inputs_embeds, one cropped past
+its records, generate(prefill_chunk_size=...) and all-KDA layer patterns (transformers then passes no split
+between cached and new tokens).
 """
 
 from __future__ import annotations

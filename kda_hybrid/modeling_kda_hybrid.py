@@ -186,6 +186,8 @@ class KDAHybridModel(KDAHybridPreTrainedModel):
             cache = KDAHybridCache(self.config)
         if cache is not None and not isinstance(cache, KDAHybridCache):
             raise TypeError(f"cache must be a KDAHybridCache, got {type(cache).__name__}")
+        if cache is not None:
+            cache.prepare_for_forward(self.config, B, input_ids)
         past = cache.get_seq_length() if cache is not None else 0
         if position_ids is None:
             position_ids = torch.arange(past, past + T, device=inputs_embeds.device).unsqueeze(0)
@@ -269,6 +271,15 @@ class KDAHybridForCausalLM(KDAHybridPreTrainedModel, GenerationMixin):
             if generation_config.is_assistant:
                 cache.activate_past_recording()
             model_kwargs["cache"] = cache
+
+    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, cache=None, attention_mask=None,
+                                      inputs_embeds=None, is_first_iteration=False, **kwargs):
+        """generate()'s one look at the whole input_ids beside a user's cache: they must start with its tokens."""
+        if isinstance(cache, KDAHybridCache) and inputs_embeds is None:
+            cache.check_generation_inputs(input_ids, next_sequence_length, is_first_iteration)
+        return super().prepare_inputs_for_generation(
+            input_ids, next_sequence_length=next_sequence_length, cache=cache, attention_mask=attention_mask,
+            inputs_embeds=inputs_embeds, is_first_iteration=is_first_iteration, **kwargs)
 
     def set_output_embeddings(self, new_embeddings):
         self.lm_head = new_embeddings

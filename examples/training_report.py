@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from kda_hybrid.training import load_tokens, loss_sum, make_batch, num_rows, target_count
+from kda_hybrid.training import SingleProcess, cache_bytes_at, evaluate, load_tokens
 
 CONTEXTS = (1024, 8192, 32768)
 
@@ -26,20 +26,6 @@ CONTEXTS = (1024, 8192, 32768)
 def read_log(run: Path) -> tuple[list[dict], list[dict]]:
     rows = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
     return [r for r in rows if "loss" in r], [r for r in rows if "val_loss" in r]
-
-
-@torch.no_grad()
-def cache_bytes(model, vocab_size: int) -> dict:
-    """{tokens: bytes} from memory_report() after real prefills of 1024 and 2048 tokens, extended to CONTEXTS."""
-    reports = {}
-    for n in (1024, 2048):
-        ids = torch.randint(3, vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
-        reports[n] = model(ids, use_cache=True).cache.memory_report()
-    fixed, per_token = reports[1024]["kda_state_bytes"], reports[1024]["kv_bytes_per_token_per_sequence"]
-    for n, r in reports.items():  # the model behaves as the extension assumes
-        assert r["kda_state_bytes"] == fixed and r["attention_kv_bytes"] == per_token * n, r
-    return {"kda_state_bytes": fixed, "kv_bytes_per_token": per_token,
-            **{str(n): fixed + per_token * n for n in CONTEXTS}}
 
 
 @torch.no_grad()
@@ -51,13 +37,9 @@ def run_metrics(run: Path, data: Path, seq_len: int) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     embed = model.get_input_embeddings().weight.numel() + model.get_output_embeddings().weight.numel()
     meta = json.loads((data / "meta.json").read_text())
-    tokens = load_tokens(data / "val.bin")
-    n_rows = num_rows(tokens, seq_len)
-    total, count = 0.0, 0
-    for i in range(0, n_rows, 8):
-        batch = make_batch(tokens, range(i, min(i + 8, n_rows)), seq_len, meta["bos_token_id"])
-        total += float(loss_sum(model, batch))
-        count += target_count(batch)
+    val_loss, count = evaluate(SingleProcess(), model, load_tokens(data / "val.bin"), seq_len=seq_len,
+                               micro_batch_size=8, bos_id=meta["bos_token_id"])
+    model.eval()
     train_log, val_log = read_log(run)
     args = json.loads((run / "args.json").read_text())
     return {
@@ -66,9 +48,9 @@ def run_metrics(run: Path, data: Path, seq_len: int) -> dict:
         "steps": train_log[-1]["step"], "train_tokens": train_log[-1]["tokens"],
         "wall_s": train_log[-1]["elapsed_s"], "final_train_loss_avg20": sum(r["loss"] for r in train_log[-20:]) / 20,
         "val_loss_in_loop_fp32": val_log[-1]["val_loss"] if val_log else None,
-        "val_loss_saved_weights": total / count, "val_ppl_saved_weights": math.exp(total / count),
+        "val_loss_saved_weights": val_loss, "val_ppl_saved_weights": math.exp(val_loss),
         "val_targets": count, "save_dtype": args["save_dtype"],
-        "cache_bytes": cache_bytes(model, cfg.vocab_size),
+        "cache_bytes": cache_bytes_at(model, CONTEXTS),
     }
 
 

@@ -126,6 +126,35 @@ def evaluate(accelerator, model, tokens: np.ndarray, *, seq_len: int, micro_batc
     return float(total[0] / total[1]), int(total[1])
 
 
+class SingleProcess:
+    """What `evaluate` needs of an accelerator, for one process on one device (reports and scripts)."""
+
+    process_index, num_processes = 0, 1
+
+    def __init__(self, device: str | torch.device = "cpu"):
+        self.device = torch.device(device)
+
+    def reduce(self, tensor: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
+        return tensor
+
+
+@torch.no_grad()
+def cache_bytes_at(model, contexts=(1024, 8192, 32768)) -> dict:
+    """Inference cache of one sequence: {"kda_state_bytes", "kv_bytes_per_token", "<n>": bytes at n tokens}, from
+    memory_report() after real prefills of 1024 and 2048 tokens (checked to be fixed KDA state plus exactly linear
+    attention KV), extended to `contexts`."""
+    reports = {}
+    for n in (1024, 2048):
+        ids = torch.randint(3, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
+        reports[n] = model(ids, use_cache=True).cache.memory_report()
+    fixed, per_token = reports[1024]["kda_state_bytes"], reports[1024]["kv_bytes_per_token_per_sequence"]
+    for n, r in reports.items():  # the model behaves as the extension assumes
+        if r["kda_state_bytes"] != fixed or r["attention_kv_bytes"] != per_token * n:
+            raise AssertionError(f"cache is not fixed + linear in the context: {r}")
+    return {"kda_state_bytes": fixed, "kv_bytes_per_token": per_token,
+            **{str(n): fixed + per_token * n for n in contexts}}
+
+
 # ------------------------------------------------------------------------------------------------------
 # Tokenizer
 # ------------------------------------------------------------------------------------------------------

@@ -173,8 +173,11 @@ def test_right_padding_leaves_same_cache_as_no_padding(attention):
     torch.testing.assert_close(out.logits[:, :10], ref.logits, rtol=1e-5, atol=1e-5)
     for (c1, s1), (c2, s2) in zip(kda_states(out.cache), kda_states(ref.cache)):
         torch.testing.assert_close(s1, s2, rtol=1e-6, atol=1e-6)
+        # conv states are projections (reductions over D = 64) of hidden states that went through earlier layers as
+        # a [1, 14] and a [1, 10] batch: BLAS may block the two shapes differently, so they agree to fp32 rounding
+        # (measured 9e-8 absolute, 1.2e-6 relative; sqrt(64) * 2^-23 * |x| |w| * layers bounds it), not bit for bit
         for a, b in zip(c1, c2):
-            torch.testing.assert_close(a, b, rtol=0, atol=0)
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     for l1, l2 in zip(out.cache.layers, ref.cache.layers):
         if isinstance(l1, KVLayerState):  # the attention cache holds the pads too, masked on later steps
             torch.testing.assert_close(l1.keys[..., :10, :], l2.keys)
@@ -349,8 +352,12 @@ def test_save_and_load_round_trip(tmp_path):
     assert (tmp_path / "modeling_kda_hybrid.py").exists() and (tmp_path / "kda_ops.py").exists()
     for cls in (KDAHybridForCausalLM, AutoModelForCausalLM):
         loaded = cls.from_pretrained(tmp_path).eval()
+        for name, tensor in model.state_dict().items():  # the weights themselves: bit for bit
+            assert torch.equal(loaded.state_dict()[name], tensor), name
         with torch.no_grad():
-            torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+            # same kernels and shapes, but the loaded tensors sit at other memory alignments (safetensors offsets),
+            # where vectorised CPU kernels may split a reduction differently: fp32 rounding, measured 3e-8 absolute
+            torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-6)
     assert AutoConfig.from_pretrained(tmp_path).model_type == "kda_hybrid"
     assert type(AutoModel.from_pretrained(tmp_path)).__name__ == "KDAHybridModel"
     assert torch.equal(greedy(loaded, ids), greedy(model, ids))

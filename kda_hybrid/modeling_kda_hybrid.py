@@ -384,8 +384,8 @@ def _real_tokens_from_4d_mask(mask: torch.Tensor, B: int, T: int, past: int) -> 
     patterns per head) is refused."""
     if mask.dtype == torch.bool:
         allowed = mask
-    else:  # additive: 0 (or any finite bias) attends; -inf or the dtype's minimum masks
-        allowed = mask > torch.finfo(mask.dtype).min / 2
+    else:  # additive: masked where the value leaves no softmax weight, exp(value) == 0 in fp32 (below -104:
+        allowed = mask.float().exp() > 0  # -inf, the dtype's minimum, -1e9, BERT's -1e4); 0 and mild biases attend
     allowed = allowed.expand(B, -1, -1, -1)
     per_row = allowed.any(1)  # [B, T, past + T]
     if not torch.equal(per_row, allowed.all(1)):

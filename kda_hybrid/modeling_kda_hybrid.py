@@ -204,17 +204,17 @@ class KDAHybridModel(KDAHybridPreTrainedModel):
         B, T = _check_tokens(input_ids, inputs_embeds, self.config.hidden_size)
         if cache is not None and not isinstance(cache, KDAHybridCache):
             raise TypeError(f"cache must be a KDAHybridCache, got {type(cache).__name__}")
-        past = cache.get_seq_length() if cache is not None else 0
-        _check_attention_mask(attention_mask, B, T, past, self.config.num_attention_heads)
-        position_ids = _check_position_ids(position_ids, B, T)
-        output_hidden_states = _config_default(output_hidden_states, self.config, "output_hidden_states")
-        output_attentions = _config_default(output_attentions, self.config, "output_attentions")
         asked_for_cache = bool(use_cache) or cache is not None
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
             if asked_for_cache:  # as transformers' built-in models do; the checkpointed layers could not fill it
                 logger.warning_once("use_cache=True is incompatible with gradient checkpointing: no cache is used")
-            use_cache, cache, past = False, None, 0
+            use_cache, cache, asked_for_cache = False, None, False
+        past = cache.get_seq_length() if cache is not None else 0
+        _check_attention_mask(attention_mask, B, T, past, self.config.num_attention_heads)
+        position_ids = _check_position_ids(position_ids, B, T)
+        output_hidden_states = _config_default(output_hidden_states, self.config, "output_hidden_states")
+        output_attentions = _config_default(output_attentions, self.config, "output_attentions")
         # Packed documents: position_ids restarting inside a row, no attention_mask (DataCollatorWithFlattening).
         # KDA states and convs restart at every document and attention stays inside it. A packed batch has no
         # single state to continue from or to continue later, so it takes no cache: asking for one is an error.

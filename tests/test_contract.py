@@ -394,6 +394,20 @@ def test_decode_mask_must_cover_the_cache(attention):
     torch.testing.assert_close(step.logits[1, -1], alone, rtol=1e-4, atol=1e-5)
 
 
+def test_gradient_checkpointing_training_takes_no_cache_and_leaves_a_given_one_untouched():
+    """As built-in models: checkpointed layers cannot fill a cache (the backward replays them), so none is used,
+    and a cache passed in is neither written nor counted as holding the tokens."""
+    model = tiny_model("mla").train()
+    model.gradient_checkpointing_enable()
+    ids = tokens()
+    cache = KDAHybridCache(model.config)
+    out = model(ids, cache=cache, use_cache=True, labels=ids)
+    out.loss.backward()
+    assert out.cache is None and cache.get_seq_length() == 0 and not cache_tensors(cache)
+    with torch.no_grad():  # without gradients nothing is checkpointed: the cache works as in eval
+        assert model(ids, cache=cache).cache.get_seq_length() == 9
+
+
 # --------------------------------------------------------------------------------------------------
 # Bad input at the boundary: clear errors, before any state changes
 # --------------------------------------------------------------------------------------------------

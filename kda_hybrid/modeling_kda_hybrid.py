@@ -442,6 +442,24 @@ class KDAHybridForCausalLM(KDAHybridPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, new_embeddings):
         self.lm_head = new_embeddings
 
+    def _prefill(self, input_ids, generation_config, model_kwargs, is_first_iteration=True):
+        """transformers cuts a prompt that restarts from a cache down to its new tokens only when some cache layer is
+        attention (`not all(cache.is_linear)`): with KDA layers only (a draft model, a KDA-only model continuing a
+        conversation) the whole sequence would run again on top of the cache. Cut it by transformers' own rule: the
+        input is the full sequence when it is as long as the attention mask (or the all-ones mask generate dropped)."""
+        cache = model_kwargs.get("cache")
+        past = cache.get_seq_length() if isinstance(cache, KDAHybridCache) else 0
+        if past and all(cache.is_linear):
+            embeds = model_kwargs.get("inputs_embeds")
+            if embeds is not None and is_first_iteration:  # restarting from inputs_embeds: always the full sequence
+                model_kwargs = {**model_kwargs, "inputs_embeds": embeds[:, past:]}
+            else:
+                mask = model_kwargs.get("attention_mask")
+                full = mask.shape[1] if mask is not None else getattr(generation_config, "_mask_length", -1)
+                if full == input_ids.shape[1] > past:
+                    input_ids = input_ids[:, past:]
+        return super()._prefill(input_ids, generation_config, model_kwargs, is_first_iteration)
+
     @can_return_tuple
     def forward(
         self,

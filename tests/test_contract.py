@@ -408,6 +408,22 @@ def test_gradient_checkpointing_training_takes_no_cache_and_leaves_a_given_one_u
         assert model(ids, cache=cache).cache.get_seq_length() == 9
 
 
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_kda_only_model_continues_a_cache_through_generate(with_mask):
+    """transformers cuts a restarted prompt to its new tokens only when the cache has an attention layer; a model of
+    KDA layers only (a draft, a KDA-only model) must not run the whole sequence again on top of its cache."""
+    model = tiny_model("mla", layer_types=["linear_attention"] * 4)
+    first = model.generate(tokens(1, 12), max_new_tokens=5, do_sample=False, return_dict_in_generate=True)
+    ids = torch.cat((first.sequences, tokens(1, 6, seed=5)), 1)
+    kw = dict(max_new_tokens=7, do_sample=False)
+    if with_mask:  # explicit: generate would read a generated pad token (id 0) as padding in the fresh run
+        kw["attention_mask"] = torch.ones_like(ids)
+    resumed = model.generate(ids, cache=first.cache, **kw)
+    fresh = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=7, do_sample=False)
+    assert first.cache.get_seq_length() == ids.shape[1] + 6
+    assert torch.equal(resumed, fresh)
+
+
 # --------------------------------------------------------------------------------------------------
 # Bad input at the boundary: clear errors, before any state changes
 # --------------------------------------------------------------------------------------------------

@@ -3,7 +3,8 @@ dense SwiGLU and DeepSeek-V3-style MoE. Parameter names follow the original Kimi
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +45,30 @@ class KDAHybridGatedRMSNorm(nn.Module):
         return (x32 * torch.sigmoid(gate.float())).to(x.dtype)
 
 
+@dataclass
+class KDALayerInputs:
+    """What every KDA layer of one forward receives; KDAHybridModel.forward builds it once per forward."""
+
+    token_mask: torch.Tensor | None = None  # [B, T] bool, False = padding; None: every token is real
+    cu_seqlens: torch.Tensor | None = None  # [N + 1] offsets of packed documents over the flattened B * T tokens
+
+
+ATTENTION_PATHS = ("masked", "latent", "continuation", "packed")
+
+
+@dataclass
+class AttentionLayerInputs:
+    """What every full-attention layer of one forward receives; KDAHybridModel.forward builds it once per
+    forward. `path` picks the attention computation (the table in KDAHybridMLAttention's docstring); GQA layers
+    take "masked" or "packed"."""
+
+    path: str = "masked"
+    mask: torch.Tensor | None = None  # [B, 1, T, past + T] bool or additive float (create_causal_mask), or None
+    cu_seqlens: torch.Tensor | None = None  # path "packed": document offsets over the flattened B * T tokens
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None  # GQA: RoPE (cos, sin) [B, T, head_dim]
+    output_attentions: bool = False  # return the attention weights where the path computes them
+
+
 def _keep_fp32(module: nn.Module, names: tuple[str, ...]):
     for name in names:
         p = getattr(module, name)
@@ -66,12 +91,12 @@ def _compaction(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def packed_cu_seqlens(position_ids: torch.Tensor) -> torch.Tensor | None:
     """Offsets [N + 1] of the documents packed in `position_ids` ([B, T]; a document starts wherever the
     position does not follow the previous one, and at every row start), over the flattened B * T tokens.
-    None when each row holds a single document starting at position 0 (nothing is packed)."""
-    first = position_ids[:, :1] - 1
-    starts = torch.diff(position_ids, prepend=first, dim=-1) != 1
-    starts[:, 0] = True
-    if int(starts.sum()) == position_ids.shape[0] and bool((position_ids[:, 0] == 0).all()):
+    None when no row restarts: each row is then one document whatever its first position (a row starting at 5
+    is a continuation, as transformers' find_packed_sequence_indices reads it)."""
+    restarts = torch.diff(position_ids, dim=-1) != 1  # [B, T - 1]
+    if not bool(restarts.any()):
         return None
+    starts = torch.cat((torch.ones_like(restarts[:, :1]), restarts), dim=1)  # every row starts a document
     idx = starts.flatten().nonzero().flatten()
     end = torch.tensor([position_ids.numel()], device=idx.device)
     return torch.cat((idx, end)).to(torch.int64)
@@ -135,7 +160,8 @@ class KDAHybridDeltaAttention(nn.Module):
         out = x * weight[:, width - 1]
         for j in range(width - 1):
             shift = width - 1 - j
-            out = out + padded[..., j:j + N] * (since_start >= shift).to(x.dtype) * weight[:, j]
+            # selected, not multiplied by a 0/1 mask: nothing of the previous document, whatever its value
+            out = out + torch.where(since_start >= shift, padded[..., j:j + N], 0) * weight[:, j]
         return F.silu(out)
 
     def forward(
@@ -154,9 +180,11 @@ class KDAHybridDeltaAttention(nn.Module):
         perm = inv = None
         if token_mask is not None:
             perm, inv = _compaction(token_mask)
-            hidden_states = _gather_tokens(hidden_states, perm)
             n_real = token_mask.sum(1)
             real = torch.arange(T, device=n_real.device) < n_real[:, None]  # [B, T] after compaction
+            # padding may hold anything (NaN, inf): selected away, never multiplied by 0, so that neither the
+            # chunked products nor the state (beta * v with beta = 0) can see it
+            hidden_states = torch.where(real[..., None], _gather_tokens(hidden_states, perm), 0)
         else:
             n_real = torch.full((B,), T, dtype=torch.long, device=hidden_states.device)
             real = None
@@ -178,8 +206,8 @@ class KDAHybridDeltaAttention(nn.Module):
         )
         g, beta = self._gates(x)
         if real is not None:  # padding (compacted to the tail) neither decays nor writes the state
-            g = g * real[..., None, None]
-            beta = beta * real[..., None]
+            g = torch.where(real[..., None, None], g, 0)
+            beta = torch.where(real[..., None], beta, 0)
 
         recording = cache_layer is not None and cache_layer.record_past
         if recording:
@@ -199,14 +227,15 @@ class KDAHybridDeltaAttention(nn.Module):
         if cache_layer is not None:
             if token_mask is None:  # every row ends on a real token: the last (kernel - 1) inputs, copied small
                 cache_layer.conv_states = [torch.cat((c, xi), -1)[..., -width:].clone() if T < width
-                                           else xi[..., -width:].contiguous() for c, xi in zip(conv_before, conv_inputs)]
+                                           else xi[..., -width:].contiguous()
+                                           for c, xi in zip(conv_before, conv_inputs)]
             else:
                 cache_layer.conv_states = [shift_conv_state(c, xi, n_real) for c, xi in zip(conv_before, conv_inputs)]
             cache_layer.recurrent_state = state
 
         o = self._output(x, o)
         if inv is not None:
-            o = _gather_tokens(o, inv) * token_mask[..., None]
+            o = torch.where(token_mask[..., None], _gather_tokens(o, inv), 0)
         return o
 
     def _gates(self, x):
@@ -310,7 +339,26 @@ def _attention_interface(config) -> Callable:
 
 class KDAHybridMLAttention(nn.Module):
     """Multi-head latent attention without positional encoding (Kimi Linear, docs/architecture.md §3). The cache holds
-    the normalised latent and the shared key part, not per-head keys and values."""
+    the normalised latent and the shared key part, not per-head keys and values.
+
+    KDAHybridModel.forward picks one path per forward for every MLA layer (AttentionLayerInputs.path, decided
+    there and nowhere else). Each path computes the attention of "masked", the reference: transformers' attention
+    interface over the expanded keys and values with transformers' causal mask.
+
+    condition (KDAHybridModel._attention_inputs)    path            test proving it equal to "masked"
+    ---------------------------------------------   -------------   ---------------------------------------------
+    packed documents (position_ids restart in a     "packed"        test_packed_attention_per_document_equals_
+    row), sdpa, <= PACKED_ATTENTION_MAX_DOCS docs   (one fused      block_diagonal_mask
+                                                    SDPA per doc)
+    cache holds tokens, T <= ABSORB_MAX_QUERY, no   "latent"        test_mla_paths_equal_the_masked_reference,
+    weights asked under eager (mask None: no        (kv_b_proj      test_prefill_in_chunks_equals_one_prefill
+    padding, causal among the new tokens)           folded in q)    [chunk7-latent]
+    cache holds tokens, T > ABSORB_MAX_QUERY, sdpa, "continuation"  test_mla_paths_equal_the_masked_reference,
+    no padding anywhere, no attention dropout       (two SDPA,      test_prefill_in_chunks_equals_one_prefill
+                                                    no mask)        [chunk24-continuation]
+    anything else: no cache, padding, 4-D masks,    "masked"        the reference (eager and sdpa agree:
+    eager, dropout, more documents                                  test_mla_paths_equal_the_masked_reference)
+    """
 
     def __init__(self, config: KDAHybridConfig, layer_idx: int):
         super().__init__()
@@ -339,7 +387,13 @@ class KDAHybridMLAttention(nn.Module):
         self.o_proj = nn.Linear(Hq * self.v_head_dim, D, bias=config.attention_bias)
 
     def forward(self, hidden_states, attention_mask=None, cache_layer: KVLayerState | None = None,
-                cu_seqlens: torch.Tensor | None = None, **kwargs):
+                cu_seqlens: torch.Tensor | None = None, path: str = "masked", output_attentions: bool = False,
+                **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden_states [B, T, D] -> (output [B, T, D], attention weights [B, H, T, past + T] or None). `path` and
+        the inputs it needs come from AttentionLayerInputs (the table above); weights only from the "masked" path
+        under eager attention."""
+        if path not in ATTENTION_PATHS:
+            raise ValueError(f"MLA attention path must be one of {ATTENTION_PATHS}, got {path!r}")
         B, T, _ = hidden_states.shape
         if self.q_lora_rank is None:
             q = self.q_proj(hidden_states)
@@ -352,26 +406,27 @@ class KDAHybridMLAttention(nn.Module):
         if cache_layer is not None:
             latent, k_rot = cache_layer.update(latent, k_rot)
         Tk = latent.shape[2]
-        if T <= ABSORB_MAX_QUERY and Tk > T:
-            return self._absorbed(q, latent, k_rot, attention_mask)
+        if path == "latent":
+            return self._absorbed(q, latent, k_rot, attention_mask), None
         kv = self.kv_b_proj(latent.squeeze(1)).view(B, Tk, self.num_heads, -1).transpose(1, 2)
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)  # [B, H, Tk, .]
         k = torch.cat((k_nope, k_rot.expand(-1, self.num_heads, -1, -1)), dim=-1)
         pad = self.qk_head_dim - self.v_head_dim
-        if pad > 0 and self.config._attn_implementation == "sdpa":
+        if pad > 0 and (path != "masked" or self.config._attn_implementation == "sdpa"):
             # PyTorch's fused (flash) SDPA needs equal q/k and v head dims; otherwise it falls back to the math
             # path that materialises T x T scores: 7.5x slower at T=4096 on CPU. Zero-padding v costs less.
             v = F.pad(v, (0, pad))
         dropout = self.config.attention_dropout if self.training else 0.0
-        if cu_seqlens is not None:  # packed documents, no cache (the model only passes this with sdpa)
+        weights = None
+        if path == "packed":  # packed documents, no cache
             out = packed_attention(q, k, v, cu_seqlens, self.scaling, dropout)
-        elif attention_mask is None and Tk > T and self.config._attn_implementation == "sdpa" and not dropout:
-            out = continuation_attention(q, k, v, self.scaling)  # chunked prefill on a cache, no padding
+        elif path == "continuation":  # a cache and no padding: every cached key visible, the new keys causally
+            out = continuation_attention(q, k, v, self.scaling)
         else:
-            out, _ = _attention_interface(self.config)(
+            out, weights = _attention_interface(self.config)(
                 self, q, k, v, attention_mask, dropout=dropout, scaling=self.scaling, **kwargs,
             )
-        return self.o_proj(out[..., : self.v_head_dim].reshape(B, T, -1))
+        return self.o_proj(out[..., : self.v_head_dim].reshape(B, T, -1)), weights if output_attentions else None
 
     def _absorbed(self, q, latent, k_rot, attention_mask):
         """Decode against the cached latent without expanding it: kv_b_proj's key half is folded into the
@@ -410,13 +465,14 @@ def _rotate_half(x):
 
 
 class KDAHybridRotaryEmbedding(nn.Module):
-    """RoPE for the GQA layers. Frequencies come from transformers' ROPE_INIT_FUNCTIONS for the config's
+    """RoPE of the GQA layers. Frequencies come from transformers' ROPE_INIT_FUNCTIONS for the config's
     `rope_parameters` (default, linear, llama3, yarn), so a converted Llama 3 or Qwen model rotates exactly as its
-    source; `attention_scaling` (yarn's magnitude correction, 1 otherwise) multiplies cos and sin as there."""
+    source; `attention_scaling` (yarn's magnitude correction, 1 otherwise) multiplies cos and sin as there.
+    `inv_freq` is a non-persistent buffer (no checkpoint carries it): a model that transformers materialises from the
+    meta device gets it back from `_init_weights`, which calls `compute_inv_freq` as this constructor does."""
 
     def __init__(self, config: KDAHybridConfig):
         super().__init__()
-        self.config = config
         inv_freq, self.attention_scaling = self.compute_inv_freq(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
@@ -467,7 +523,13 @@ class KDAHybridAttention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(self, hidden_states, attention_mask=None, cache_layer: KVLayerState | None = None,
-                position_embeddings=None, cu_seqlens: torch.Tensor | None = None, **kwargs):
+                position_embeddings=None, cu_seqlens: torch.Tensor | None = None, path: str = "masked",
+                output_attentions: bool = False, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden_states [B, T, D] -> (output [B, T, D], attention weights [B, H, T, past + T] or None). `path`:
+        "masked" (transformers' attention interface with `attention_mask`) or "packed" (one fused SDPA per document
+        of `cu_seqlens`, test_packed_attention_per_document_equals_block_diagonal_mask proves them equal)."""
+        if path not in ("masked", "packed"):
+            raise ValueError(f"GQA attention takes path 'masked' or 'packed', got {path!r}")
         B, T, _ = hidden_states.shape
         q = self.q_proj(hidden_states).view(B, T, -1, self.head_dim)  # [B, T, H, D]
         k = self.k_proj(hidden_states).view(B, T, -1, self.head_dim)  # [B, T, H_kv, D]
@@ -482,13 +544,14 @@ class KDAHybridAttention(nn.Module):
         if cache_layer is not None:
             k, v = cache_layer.update(k, v)
         dropout = self.config.attention_dropout if self.training else 0.0
-        if cu_seqlens is not None:  # packed documents, no cache (the model only passes this with sdpa)
+        weights = None
+        if path == "packed":  # packed documents, no cache
             out = packed_attention(q, k, v, cu_seqlens, self.scaling, dropout)
         else:
-            out, _ = _attention_interface(self.config)(
+            out, weights = _attention_interface(self.config)(
                 self, q, k, v, attention_mask, dropout=dropout, scaling=self.scaling, **kwargs,
             )
-        return self.o_proj(out.reshape(B, T, -1))
+        return self.o_proj(out.reshape(B, T, -1)), weights if output_attentions else None
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -322,8 +322,8 @@ BAD = [
     ("g-shape", lambda d: d.update(g=d["g"][:, :4]), {}, "g must have"),
     ("v-heads", lambda d: d.update(v=d["v"][:, :, :1]), {}, "v must be"),
     ("beta-shape", lambda d: d.update(beta=d["beta"][..., None]), {}, "beta must be"),
-    ("int-dtype", lambda d: d.update(q=d["q"].long()), {}, "float32, bfloat16 or float16"),
-    ("mixed-qkv-dtype", lambda d: d.update(v=d["v"].double()), {}, "v must be float32"),
+    ("int-dtype", lambda d: d.update(q=d["q"].long()), {}, "float32, bfloat16, float16 or float64"),
+    ("mixed-qkv-dtype", lambda d: d.update(v=d["v"].double()), {}, "share one dtype"),
     ("qk-dtypes", lambda d: d.update(k=d["k"].half()), {}, "share one dtype"),
     ("state-shape", None, dict(initial_state=torch.zeros(1, 2, 4, 5)), "initial_state must be"),
     ("state-dtype", None, dict(initial_state=torch.zeros(1, 2, 4, 6, dtype=torch.bfloat16)), "float32"),
@@ -382,3 +382,107 @@ from hypothesis import strategies as st  # noqa: E402
 def test_property_chunk_equals_reference(B, T, H, K, V, gate, seed, init_state):
     q, k, v, g, beta, h0 = make_inputs(B, T, H, K, V, gate=gate, seed=seed, init_state=init_state)
     assert_matches_reference("torch", q, k, v, g, beta, h0)
+
+
+# ------------------------------------------------------------------------------------------------
+# Full resets (g = -inf), gate validation, the in-place contract, empty inputs.
+# ------------------------------------------------------------------------------------------------
+
+
+def _with_resets(g):
+    """g = -inf (exp(g) = 0: the channel forgets everything) at a few tokens and channels, one a whole token."""
+    g = g.detach().clone()
+    T = g.shape[1]
+    g[:, T // 2, 0, :5] = float("-inf")
+    g[:, 0, -1, 3] = float("-inf")
+    g[:, -1, :, :] = float("-inf")
+    g[:, (2 * T) // 3, 1 % g.shape[2], 7] = -200.0  # finite, but exp(-200) = 0 in fp32: the same full reset
+    return g
+
+
+@pytest.mark.parametrize("op,backend", [(chunk_kda, "torch"), (chunk_kda, "reference"),
+                                        (fused_recurrent_kda, "torch")], ids=["chunk-torch", "chunk-ref", "recurrent"])
+@pytest.mark.parametrize("T", [1, 64, 130])
+def test_full_reset_gate_matches_fla(op, backend, T):
+    """g = -inf is allowed (g <= 0): outputs, final state and every gradient equal fla's naive recurrence (whose
+    S * exp(-inf) = 0 is the definition), finite everywhere; the chunked path once gave NaN everywhere."""
+    q, k, v, g, beta, h0 = make_inputs(1, T, 2, 16, 16, init_state=True)
+    g = _with_resets(g)
+    args = [x.requires_grad_() for x in (q, k, v, g, beta, h0)]
+    do, ds = torch.randn_like(v), torch.randn_like(h0)
+
+    def run(fn):
+        for x in args:
+            x.grad = None
+        o, s = fn(*args)
+        ((o * do).sum() + (s * ds).sum()).backward()
+        return [o.detach(), s.detach()] + [x.grad.clone() for x in args]
+
+    ours = run(lambda *a: op(*a[:5], initial_state=a[5], output_final_state=True, backend=backend))
+    fla = run(lambda *a: naive.naive_recurrent_kda(*a[:5], initial_state=a[5], output_final_state=True))
+    for name, got, ref in zip("o s dq dk dv dg dbeta dh0".split(), ours, fla):
+        assert torch.isfinite(got).all(), name
+        assert_close_rel(got, ref, rel=2e-5, name=name)
+
+
+@pytest.mark.parametrize("op", [chunk_kda, fused_recurrent_kda], ids=["chunk", "recurrent"])
+@pytest.mark.parametrize("bad", [0.5, float("nan"), float("inf")], ids=["positive", "nan", "inf"])
+def test_gate_must_be_a_log_decay(op, bad):
+    q, k, v, g, beta, _ = make_inputs(1, 8, 2, 4, 6)
+    g = g.clone()
+    g[0, 3, 1, 2] = bad
+    with pytest.raises(ValueError, match=r"g must be a log decay <= 0.*check_inputs=False"):
+        op(q, k, v, g, beta)
+    o, _ = op(q, k, v, g, beta, check_inputs=False, backend="reference")  # the opt-out: computed as given
+    assert o.shape == v.shape
+
+
+def test_gate_check_skipped_for_in_kernel_gate():
+    """With use_gate_in_kernel the raw g may be positive: the computed gate is <= 0 by construction."""
+    q, k, v, g, beta, _ = make_inputs(1, 8, 2, 4, 6)
+    o, _ = chunk_kda(q, k, v, g.abs() + 1, beta, use_gate_in_kernel=True, A_log=torch.zeros(2))
+    assert torch.isfinite(o).all()
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+@pytest.mark.parametrize("varlen", [False, True], ids=["batched", "cu_seqlens"])
+def test_inplace_final_state_contract(backend, varlen):
+    """inplace_final_state=True: initial_state becomes the final state and is the returned tensor, with or without
+    cu_seqlens, on every backend; when autograd records the call it is left untouched and a new state returned."""
+    B, T, H, K, V = (1, 7, 2, 8, 8) if varlen else (3, 2, 2, 8, 8)
+    q, k, v, g, beta, _ = make_inputs(B, T, H, K, V)
+    cu = torch.tensor([0, 2, 7]) if varlen else None
+    h0 = torch.randn(2 if varlen else B, H, K, V)
+    o_ref, s_ref = fused_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                                       backend="reference")
+    state = h0.clone()
+    for output_final_state in (True, False):  # the state comes back either way, as fla's kernel returns it
+        state.copy_(h0)
+        o, s = fused_recurrent_kda(q, k, v, g, beta, initial_state=state, output_final_state=output_final_state,
+                                   inplace_final_state=True, cu_seqlens=cu, backend=backend)
+        assert s is state
+        assert_close_rel(o, o_ref)
+        assert_close_rel(state, s_ref)
+    k.requires_grad_()
+    state.copy_(h0)
+    o, s = fused_recurrent_kda(q, k, v, g, beta, initial_state=state, inplace_final_state=True, cu_seqlens=cu,
+                               backend=backend)
+    assert s is not state and torch.equal(state, h0)
+    assert_close_rel(s.detach(), s_ref)
+    s.sum().backward()
+    assert k.grad is not None
+    with pytest.raises(ValueError, match="pass initial_state"):
+        fused_recurrent_kda(q, k, v, g, beta, inplace_final_state=True, cu_seqlens=cu, backend=backend)
+
+
+@pytest.mark.parametrize("op", [chunk_kda, fused_recurrent_kda], ids=["chunk", "recurrent"])
+@pytest.mark.parametrize("B,T", [(1, 0), (0, 5), (0, 0)])
+def test_empty_inputs_give_empty_results(op, B, T):
+    q, k, v, g, beta, _ = make_inputs(B, T, 2, 4, 6)
+    o, s = op(q, k, v, g, beta, output_final_state=True)
+    assert o.shape == (B, T, 2, 6) and s.shape == (B, 2, 4, 6) and not s.any()
+    h0 = torch.randn(B, 2, 4, 6)
+    o, s = op(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    assert o.shape == (B, T, 2, 6) and torch.equal(s, h0)
+    o, s = op(q, k, v, g, beta)
+    assert o.shape == (B, T, 2, 6) and s is None

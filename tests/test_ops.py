@@ -365,6 +365,30 @@ def test_forced_triton_on_cpu_is_a_clear_error(monkeypatch):
         chunk_kda(q, k, v, g, beta, backend="triton")
 
 
+@pytest.mark.parametrize("value", ["1", "true", "TRUE", "on", "yes", "0", "false", "off", ""])
+def test_triton_interpret_parsed_as_triton_does(monkeypatch, value):
+    """kda_ops refuses backend='triton' on CPU exactly when triton would compile instead of interpreting: the
+    decision is triton's own reading of TRITON_INTERPRET (once refused backend='triton' for TRITON_INTERPRET=true
+    while the kernels ran in the interpreter)."""
+    triton = pytest.importorskip("triton")
+    from kda_hybrid import kda_ops
+
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    interpreted = triton.knobs.runtime.interpret
+    assert kda_ops._triton_interpreted() == interpreted
+    if interpreted:
+        assert kda_ops._resolve("triton", torch.device("cpu")) == "triton"
+    else:
+        with pytest.raises(RuntimeError, match="needs CUDA tensors"):
+            kda_ops._resolve("triton", torch.device("cpu"))
+
+
+def test_chunk_size_defined_once():
+    from kda_hybrid import kda_ops, kda_torch
+
+    assert kda_ops.CHUNK_SIZE is kda_torch.CHUNK_SIZE and kda_torch.CHUNK_SIZE in kda_torch.CHUNK_SIZES
+
+
 # ------------------------------------------------------------------------------------------------
 # Property-based: any shape, any gate strength, chunked == token by token.
 # ------------------------------------------------------------------------------------------------

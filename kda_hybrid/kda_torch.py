@@ -246,8 +246,9 @@ def _halves(seg, seg_ref, h, after):
     return (seg[..., h:, :], seg_ref) if after else (seg_ref, seg[..., :h, :])
 
 
-def _chunk_fwd(q, k, v, g, beta, state, chunk_size):
-    """Chunked KDA on prepared fp32 tensors with T a multiple of chunk_size. Returns o, final state."""
+def _chunk_fwd(q, k, v, g, beta, state, chunk_size, return_chunk_states=False):
+    """Chunked KDA on prepared fp32 tensors with T a multiple of chunk_size. Returns o, final state (and the
+    state entering every chunk, [B, H, N, K, V], with return_chunk_states)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     C = chunk_size
@@ -258,28 +259,28 @@ def _chunk_fwd(q, k, v, g, beta, state, chunk_size):
 
     q, k, v = chunks(q), chunks(k), chunks(v)
     beta = chunks(beta.unsqueeze(-1))  # [B, H, N, C, 1]
-    g = chunks(g)
-    G = g.cumsum(-2)  # [B, H, N, C, K], within-chunk cumulative log decay
+    G = chunks(g).cumsum(-2)  # [B, H, N, C, K], within-chunk cumulative log decay
     G_last = G[..., -1:, :]  # [B, H, N, 1, K]
+    decay = G.exp()  # <= 1: decay from the chunk start to each token
+    qg, kg = q * decay, k * decay
     beta_row = beta.transpose(-1, -2)  # [B, H, N, 1, C]
+    decay_last = None  # exp(G_last), unless resets change it
     if float(-G_last.detach().min()) <= MAX_BLOCK_DECAY:
         # Common case: no channel decays by more than e^-60 over a chunk, so exp(G_r - G_c) factors through
         # the chunk start (see _gated_products) and one matmul per product covers the whole chunk.
-        decay = G.exp()  # <= 1: decay from the chunk start to each token
-        qg, kg = q * decay, k * decay
         if torch.is_grad_enabled() and (k.requires_grad or G.requires_grad):
             k_inv = k * torch.exp(-G)  # <= |k| e^60 (not k / decay: its backward squares decay, which underflows)
         else:
             k_inv = k / decay  # the same value; one pass instead of negate + exp + multiply
         A_kk = (kg @ k_inv.transpose(-1, -2)) * beta  # only its strict lower triangle is read below
         A_qk = (qg @ k_inv.transpose(-1, -2)).tril()
-        decay_last = G_last.exp()
-        k_out = k_inv * decay_last  # = k exp(G_last - G), a product of two bounded factors
+        k_out = k_inv * G_last.exp()  # = k exp(G_last - G), a product of two bounded factors
     else:
         # Full resets: a token whose decay is exactly 0 in this precision (g = -inf, which g <= 0 allows, or
         # g < -104 in fp32) would put -inf - -inf = NaN into every difference of G. Such tokens leave the
         # cumulative sum (their g counts as 0) and `seg` counts them per channel; _exp_diff gives 0 across a
         # reset, which is exp(g) = 0 of the recurrence, with a zero gradient to g there as in the recurrence.
+        g = chunks(g)
         reset = g.detach().exp() == 0
         seg = seg_last = None
         if bool(reset.any()):
@@ -287,12 +288,12 @@ def _chunk_fwd(q, k, v, g, beta, state, chunk_size):
             G_last = G[..., -1:, :]
             seg = reset.cumsum(-2, dtype=torch.int32)
             seg_last = seg[..., -1:, :]
-        decay = _exp_diff(G, 0.0, seg, 0)
-        qg, kg = q * decay, k * decay
+            decay = _exp_diff(G, 0.0, seg, 0)
+            qg, kg = q * decay, k * decay
+            decay_last = _exp_diff(G_last, 0.0, seg_last, 0)
         A_kk, A_qk = _gated_products(q, k, G, seg)
         A_kk = A_kk * beta
         k_out = k * _exp_diff(G_last, G, seg_last, seg)
-        decay_last = _exp_diff(G_last, 0.0, seg_last, 0)
     k_out = k_out.transpose(-1, -2)  # [B, H, N, K, C]
 
     # WY form: w = (I + A_kk)^-1 diag(beta) k exp(G), u = (I + A_kk)^-1 diag(beta) v. The unit lower-triangular
@@ -303,7 +304,7 @@ def _chunk_fwd(q, k, v, g, beta, state, chunk_size):
     A_inv = torch.linalg.solve_triangular(A_kk, eye, upper=False, unitriangular=True) * beta_row
     w = A_inv @ kg  # [B, H, N, C, K]
     u = A_inv @ v  # [B, H, N, C, V]
-    decay_last = decay_last.transpose(-1, -2)  # [B, H, N, K, 1]
+    decay_last = (G_last.exp() if decay_last is None else decay_last).transpose(-1, -2)  # [B, H, N, K, 1]
 
     # The only sequential part: the state entering each chunk and the corrected values v_new = u - w S.
     # Batch and heads are flattened so each step is two baddbmm calls on [B*H, ., .] matrices.
@@ -328,7 +329,9 @@ def _chunk_fwd(q, k, v, g, beta, state, chunk_size):
         S, v_new = S.flatten(0, 1), v_new.flatten(0, 1)
     o = torch.baddbmm(qg.flatten(0, 2) @ S, A_qk.flatten(0, 2), v_new)  # [B*H*N, C, V]
     o = o.view(B, H, N, C, V).permute(0, 2, 3, 1, 4).reshape(B, T, H, V)
-    return o, state.unflatten(0, (B, H)), S.view(B, H, N, K, V)  # S: the state entering every chunk
+    if return_chunk_states:
+        return o, state.unflatten(0, (B, H)), S.view(B, H, N, K, V)
+    return o, state.unflatten(0, (B, H))
 
 
 def _chunk_fwd_grouped(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, state, chunk_size, chunk_states=None):
@@ -343,10 +346,12 @@ def _chunk_fwd_grouped(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, state, 
     for t0 in range(0, T, GROUP_TOKENS):
         sl = slice(t0, t0 + GROUP_TOKENS)
         xs = _prepare(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], scale, use_qk_l2norm_in_kernel)
-        o, state, S = _chunk_fwd(*xs, state, chunk_size)
+        # the chunk states are dropped at once unless asked for: held over the next group they keep the
+        # allocator from reusing their buffer, which cost the common call 5-8% (T = 1024-4096, H = 4, K = V = 128)
+        o, state, *S = _chunk_fwd(*xs, state, chunk_size, chunk_states is not None)
         outs.append(o)
-        if chunk_states is not None:
-            chunk_states.append(S)
+        if S:
+            chunk_states.append(S[0])
     return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), state
 
 

@@ -41,11 +41,20 @@ try:  # optional: `import kda_hybrid` must work without triton (CPU wheels, macO
     from .kda_triton import chunk_kda_triton, fused_recurrent_kda_triton
 
     _TRITON_IMPORT_ERROR = None
+    # grouped value heads have no keyword (only shapes): kernels that take HV > H say so with this flag, and
+    # without it such a call is refused rather than read with the wrong strides
+    from . import kda_triton as _kda_triton_module
+
+    def _triton_supports_gva() -> bool:
+        return bool(getattr(_kda_triton_module, "SUPPORTS_GVA", False))
 except Exception as err:  # noqa: BLE001 - any failure (missing triton, no driver) means "not available"
     chunk_kda_triton = fused_recurrent_kda_triton = None
     _TRITON_IMPORT_ERROR = err
 
     def _triton_interpreted() -> bool:
+        return False
+
+    def _triton_supports_gva() -> bool:
         return False
 
 
@@ -277,6 +286,10 @@ def _run(kind, q, k, v, g, beta, *, scale, initial_state, output_final_state, us
         if q.dtype == torch.float64:
             raise ValueError("float64 inputs run on backend='torch' or 'reference' only (the Triton kernels "
                              "compute in fp32 tiles); pass float32 or use backend='torch'")
+        if v.shape[2] != q.shape[2] and not _triton_supports_gva():
+            raise NotImplementedError(f"backend='triton' does not implement grouped value heads (HV={v.shape[2]} "
+                                      f"> H={q.shape[2]}); backend='torch' computes them (on CPU tensors, or "
+                                      ".cpu() first)")
         fn = chunk_kda_triton if kind == "chunk" else fused_recurrent_kda_triton
         extra = dict(options)
         if kind == "chunk":

@@ -885,3 +885,10 @@ def test_triton_dispatch_passes_options_and_surfaces_missing_ones(monkeypatch):
     monkeypatch.setattr(kda_ops, "chunk_kda_triton", refusing_kernel)
     with pytest.raises(NotImplementedError, match="beta logits are not fused yet"):
         chunk_kda(q, k, v, g, beta, use_beta_sigmoid_in_kernel=True, backend="triton")
+    q2, k2 = q[:, :, :1], k[:, :, :1]  # H = 1 q/k head for HV = 2 value heads
+    monkeypatch.setattr(kda_ops, "chunk_kda_triton", old_kernel)
+    monkeypatch.setattr(kda_ops, "_triton_supports_gva", lambda: False)
+    with pytest.raises(NotImplementedError, match="grouped value heads"):
+        chunk_kda(q2, k2, v, g, beta, backend="triton")
+    monkeypatch.setattr(kda_ops, "_triton_supports_gva", lambda: True)
+    assert torch.equal(chunk_kda(q2, k2, v, g, beta, backend="triton")[0], v)

@@ -146,7 +146,7 @@ def test_cpu_bf16_autocast_keeps_fp32_recurrence(grad):
 
 
 @pytest.mark.parametrize("backend", ["torch", "reference"])
-@pytest.mark.parametrize("lens", [(5, 64, 70), (1, 1, 130), (200,)], ids=lambda l: "-".join(map(str, l)))
+@pytest.mark.parametrize("lens", [(5, 64, 70), (1, 1, 130), (200,)], ids=lambda lens: "-".join(map(str, lens)))
 def test_varlen_equals_per_sequence(lens, backend):
     H, K, V = 2, 16, 24
     T = sum(lens)
@@ -247,6 +247,67 @@ def test_auto_picks_torch_on_cpu():
 
 
 # ------------------------------------------------------------------------------------------------
+# torch.compile (inductor, the default backend): forward and backward equal eager.
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gate", [0.5, 30.0], ids=["one-matmul", "hierarchical"])
+def test_torch_compile_chunk_equals_eager(gate):
+    """gate=30 takes the anchored hierarchy of _gated_products, which once wrote into views of a preallocated
+    matrix (aot_autograd refused it). Inductor fuses the elementwise exp/mul chains into its own C++ loops (its
+    vectorised exp differs from aten's by an ulp or so) and leaves the matmuls to aten, so compiled and eager
+    differ by fp32 rounding only: rel 1e-5 of the output scale, as torch vs reference elsewhere in this file."""
+    from kda_hybrid.kda_torch import MAX_BLOCK_DECAY
+
+    args = make_inputs(1, 130, 2, 16, 16, gate=gate, init_state=True, requires_grad=True)
+    chunk_decay = -args[3].detach()[:, :128].unflatten(1, (2, 64)).sum(2).min()
+    assert (chunk_decay > MAX_BLOCK_DECAY) == (gate > 1)  # the path named by the test id is the one taken
+    do, ds = torch.randn(1, 130, 2, 16), torch.randn(1, 2, 16, 16)
+
+    def run(fn):
+        for x in args:
+            x.grad = None
+        o, s = fn(*args)
+        ((o * do).sum() + (s * ds).sum()).backward()
+        return [o.detach(), s.detach()] + [x.grad.clone() for x in args]
+
+    def op(q, k, v, g, beta, h0):
+        return chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, backend="torch")
+
+    eager, compiled = run(op), run(torch.compile(op))
+    for name, got, ref in zip("o s dq dk dv dg dbeta dh0".split(), compiled, eager):
+        assert_close_rel(got, ref, name=name)
+
+
+def test_torch_compile_fused_recurrent_equals_eager():
+    """The decode op compiled: in place on the caller's state (no grad) and differentiable (grad)."""
+    q, k, v, g, beta, h0 = make_inputs(2, 3, 2, 16, 16, init_state=True)
+
+    def op(q, k, v, g, beta, h0, inplace):
+        return fused_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                   inplace_final_state=inplace, backend="torch")
+
+    compiled = torch.compile(op)
+    with torch.no_grad():
+        o_ref, s_ref = op(q, k, v, g, beta, h0.clone(), False)
+        state = h0.clone()
+        o, s = compiled(q, k, v, g, beta, state, True)
+    assert s is state
+    assert_close_rel(o, o_ref)
+    assert_close_rel(state, s_ref)
+    args = [x.clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
+    o, s = compiled(*args, False)
+    (o.sum() + s.square().sum()).backward()
+    grads = [x.grad for x in args]
+    for x in args:
+        x.grad = None
+    o, s = op(*args, False)
+    (o.sum() + s.square().sum()).backward()
+    for name, got, x in zip("q k v g beta h0".split(), grads, args):
+        assert_close_rel(got, x.grad, name=f"d{name}")
+
+
+# ------------------------------------------------------------------------------------------------
 # Validation: every bad input is a ValueError that names what was expected and what was given.
 # ------------------------------------------------------------------------------------------------
 
@@ -261,8 +322,8 @@ BAD = [
     ("g-shape", lambda d: d.update(g=d["g"][:, :4]), {}, "g must have"),
     ("v-heads", lambda d: d.update(v=d["v"][:, :, :1]), {}, "v must be"),
     ("beta-shape", lambda d: d.update(beta=d["beta"][..., None]), {}, "beta must be"),
-    ("int-dtype", lambda d: d.update(q=d["q"].long()), {}, "float32, bfloat16 or float16"),
-    ("mixed-qkv-dtype", lambda d: d.update(v=d["v"].double()), {}, "v must be float32"),
+    ("int-dtype", lambda d: d.update(q=d["q"].long()), {}, "float32, bfloat16, float16 or float64"),
+    ("mixed-qkv-dtype", lambda d: d.update(v=d["v"].double()), {}, "share one dtype"),
     ("qk-dtypes", lambda d: d.update(k=d["k"].half()), {}, "share one dtype"),
     ("state-shape", None, dict(initial_state=torch.zeros(1, 2, 4, 5)), "initial_state must be"),
     ("state-dtype", None, dict(initial_state=torch.zeros(1, 2, 4, 6, dtype=torch.bfloat16)), "float32"),
@@ -304,6 +365,30 @@ def test_forced_triton_on_cpu_is_a_clear_error(monkeypatch):
         chunk_kda(q, k, v, g, beta, backend="triton")
 
 
+@pytest.mark.parametrize("value", ["1", "true", "TRUE", "on", "yes", "0", "false", "off", ""])
+def test_triton_interpret_parsed_as_triton_does(monkeypatch, value):
+    """kda_ops refuses backend='triton' on CPU exactly when triton would compile instead of interpreting: the
+    decision is triton's own reading of TRITON_INTERPRET (once refused backend='triton' for TRITON_INTERPRET=true
+    while the kernels ran in the interpreter)."""
+    triton = pytest.importorskip("triton")
+    from kda_hybrid import kda_ops
+
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    interpreted = triton.knobs.runtime.interpret
+    assert kda_ops._triton_interpreted() == interpreted
+    if interpreted:
+        assert kda_ops._resolve("triton", torch.device("cpu")) == "triton"
+    else:
+        with pytest.raises(RuntimeError, match="needs CUDA tensors"):
+            kda_ops._resolve("triton", torch.device("cpu"))
+
+
+def test_chunk_size_defined_once():
+    from kda_hybrid import kda_ops, kda_torch
+
+    assert kda_ops.CHUNK_SIZE is kda_torch.CHUNK_SIZE and kda_torch.CHUNK_SIZE in kda_torch.CHUNK_SIZES
+
+
 # ------------------------------------------------------------------------------------------------
 # Property-based: any shape, any gate strength, chunked == token by token.
 # ------------------------------------------------------------------------------------------------
@@ -321,3 +406,489 @@ from hypothesis import strategies as st  # noqa: E402
 def test_property_chunk_equals_reference(B, T, H, K, V, gate, seed, init_state):
     q, k, v, g, beta, h0 = make_inputs(B, T, H, K, V, gate=gate, seed=seed, init_state=init_state)
     assert_matches_reference("torch", q, k, v, g, beta, h0)
+
+
+# ------------------------------------------------------------------------------------------------
+# Full resets (g = -inf), gate validation, the in-place contract, empty inputs.
+# ------------------------------------------------------------------------------------------------
+
+
+def _with_resets(g):
+    """g = -inf (exp(g) = 0: the channel forgets everything) at a few tokens and channels, one a whole token."""
+    g = g.detach().clone()
+    T = g.shape[1]
+    g[:, T // 2, 0, :5] = float("-inf")
+    g[:, 0, -1, 3] = float("-inf")
+    g[:, -1, :, :] = float("-inf")
+    g[:, (2 * T) // 3, 1 % g.shape[2], 7] = -200.0  # finite, but exp(-200) = 0 in fp32: the same full reset
+    return g
+
+
+@pytest.mark.parametrize("op,backend", [(chunk_kda, "torch"), (chunk_kda, "reference"),
+                                        (fused_recurrent_kda, "torch")], ids=["chunk-torch", "chunk-ref", "recurrent"])
+@pytest.mark.parametrize("T", [1, 64, 130])
+def test_full_reset_gate_matches_fla(op, backend, T):
+    """g = -inf is allowed (g <= 0): outputs, final state and every gradient equal fla's naive recurrence (whose
+    S * exp(-inf) = 0 is the definition), finite everywhere; the chunked path once gave NaN everywhere."""
+    q, k, v, g, beta, h0 = make_inputs(1, T, 2, 16, 16, init_state=True)
+    g = _with_resets(g)
+    args = [x.requires_grad_() for x in (q, k, v, g, beta, h0)]
+    do, ds = torch.randn_like(v), torch.randn_like(h0)
+
+    def run(fn):
+        for x in args:
+            x.grad = None
+        o, s = fn(*args)
+        ((o * do).sum() + (s * ds).sum()).backward()
+        return [o.detach(), s.detach()] + [x.grad.clone() for x in args]
+
+    ours = run(lambda *a: op(*a[:5], initial_state=a[5], output_final_state=True, backend=backend))
+    fla = run(lambda *a: naive.naive_recurrent_kda(*a[:5], initial_state=a[5], output_final_state=True))
+    for name, got, ref in zip("o s dq dk dv dg dbeta dh0".split(), ours, fla):
+        assert torch.isfinite(got).all(), name
+        assert_close_rel(got, ref, rel=2e-5, name=name)
+
+
+@pytest.mark.parametrize("op", [chunk_kda, fused_recurrent_kda], ids=["chunk", "recurrent"])
+@pytest.mark.parametrize("bad", [0.5, float("nan"), float("inf")], ids=["positive", "nan", "inf"])
+def test_gate_must_be_a_log_decay(op, bad):
+    q, k, v, g, beta, _ = make_inputs(1, 8, 2, 4, 6)
+    g = g.clone()
+    g[0, 3, 1, 2] = bad
+    with pytest.raises(ValueError, match=r"g must be a log decay <= 0.*check_inputs=False"):
+        op(q, k, v, g, beta)
+    o, _ = op(q, k, v, g, beta, check_inputs=False, backend="reference")  # the opt-out: computed as given
+    assert o.shape == v.shape
+
+
+def test_gate_check_skipped_for_in_kernel_gate():
+    """With use_gate_in_kernel the raw g may be positive: the computed gate is <= 0 by construction."""
+    q, k, v, g, beta, _ = make_inputs(1, 8, 2, 4, 6)
+    o, _ = chunk_kda(q, k, v, g.abs() + 1, beta, use_gate_in_kernel=True, A_log=torch.zeros(2))
+    assert torch.isfinite(o).all()
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+@pytest.mark.parametrize("varlen", [False, True], ids=["batched", "cu_seqlens"])
+def test_inplace_final_state_contract(backend, varlen):
+    """inplace_final_state=True: initial_state becomes the final state and is the returned tensor, with or without
+    cu_seqlens, on every backend; when autograd records the call it is left untouched and a new state returned."""
+    B, T, H, K, V = (1, 7, 2, 8, 8) if varlen else (3, 2, 2, 8, 8)
+    q, k, v, g, beta, _ = make_inputs(B, T, H, K, V)
+    cu = torch.tensor([0, 2, 7]) if varlen else None
+    h0 = torch.randn(2 if varlen else B, H, K, V)
+    o_ref, s_ref = fused_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                                       backend="reference")
+    state = h0.clone()
+    for output_final_state in (True, False):  # the state comes back either way, as fla's kernel returns it
+        state.copy_(h0)
+        o, s = fused_recurrent_kda(q, k, v, g, beta, initial_state=state, output_final_state=output_final_state,
+                                   inplace_final_state=True, cu_seqlens=cu, backend=backend)
+        assert s is state
+        assert_close_rel(o, o_ref)
+        assert_close_rel(state, s_ref)
+    k.requires_grad_()
+    state.copy_(h0)
+    o, s = fused_recurrent_kda(q, k, v, g, beta, initial_state=state, inplace_final_state=True, cu_seqlens=cu,
+                               backend=backend)
+    assert s is not state and torch.equal(state, h0)
+    assert_close_rel(s.detach(), s_ref)
+    s.sum().backward()
+    assert k.grad is not None
+    with pytest.raises(ValueError, match="pass initial_state"):
+        fused_recurrent_kda(q, k, v, g, beta, inplace_final_state=True, cu_seqlens=cu, backend=backend)
+
+
+@pytest.mark.parametrize("op", [chunk_kda, fused_recurrent_kda], ids=["chunk", "recurrent"])
+@pytest.mark.parametrize("B,T", [(1, 0), (0, 5), (0, 0)])
+def test_empty_inputs_give_empty_results(op, B, T):
+    q, k, v, g, beta, _ = make_inputs(B, T, 2, 4, 6)
+    o, s = op(q, k, v, g, beta, output_final_state=True)
+    assert o.shape == (B, T, 2, 6) and s.shape == (B, 2, 4, 6) and not s.any()
+    h0 = torch.randn(B, 2, 4, 6)
+    o, s = op(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    assert o.shape == (B, T, 2, 6) and torch.equal(s, h0)
+    o, s = op(q, k, v, g, beta)
+    assert o.shape == (B, T, 2, 6) and s is None
+
+
+# ------------------------------------------------------------------------------------------------
+# fla's options (issue: fla's KDA op API): each against fla's naive references and against the same result
+# composed from plain calls, outputs and every gradient.
+# ------------------------------------------------------------------------------------------------
+
+gate_ref = pytest.importorskip("fla.ops.kda.gate", reason="fla's gate references")
+
+
+def fla_inputs(B, T, H, HV, K, V, *, seed=0, dtype=torch.float32):
+    """q, k with H heads; v, g, beta and the state with HV heads (grouped value heads when HV > H)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, K, generator=gen)
+    k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    v = torch.randn(B, T, HV, V, generator=gen)
+    g = F.logsigmoid(torch.randn(B, T, HV, K, generator=gen))
+    beta = torch.rand(B, T, HV, generator=gen)
+    h0 = torch.randn(B, HV, K, V, generator=gen)
+    return [x.to(dtype).requires_grad_() for x in (q, k, v, g, beta, h0)]
+
+
+def outputs_and_grads(fn, args, seed=1):
+    """(o, final state) of fn(*args) and the gradients of a random projection of both for every arg."""
+    for x in args:
+        x.grad = None
+    o, s = fn(*args)[:2]
+    gen = torch.Generator().manual_seed(seed)
+    loss = (o * torch.randn(o.shape, generator=gen, dtype=o.dtype)).sum()
+    loss = loss + (s * torch.randn(s.shape, generator=gen, dtype=s.dtype)).sum()
+    loss.backward()
+    return [o.detach(), s.detach()] + [x.grad.clone() for x in args]
+
+
+def assert_all_close(got, ref, names, rel=2e-5):
+    assert len(got) == len(ref) == len(names)
+    for name, a, b in zip(names, got, ref):
+        assert torch.isfinite(a).all(), name
+        assert_close_rel(a, b, rel=rel, name=name)
+
+
+NAMES = "o s dq dk dv dg dbeta dh0".split()
+OPS = [(chunk_kda, "torch"), (chunk_kda, "reference"), (fused_recurrent_kda, "torch")]
+OP_IDS = ["chunk-torch", "chunk-ref", "recurrent"]
+
+
+@pytest.mark.parametrize("op,backend", OPS, ids=OP_IDS)
+@pytest.mark.parametrize("T", [1, 70])
+def test_grouped_value_heads_match_fla(op, backend, T):
+    """HV = 3 H: each q/k head serves three value heads (fla's GVA), against fla's naive recurrence (which
+    repeats q, k itself) and against our call on q, k repeated by hand."""
+    args = fla_inputs(1, T, 2, 6, 16, 8)
+
+    def ours(q, k, v, g, beta, h0):
+        return op(q, k, v, g, beta, initial_state=h0, output_final_state=True, backend=backend)
+
+    got = outputs_and_grads(ours, args)
+    fla = outputs_and_grads(lambda *a: naive.naive_recurrent_kda(*a[:5], initial_state=a[5],
+                                                                 output_final_state=True), args)
+    assert_all_close(got, fla, NAMES)
+    composed = outputs_and_grads(lambda q, k, *rest: ours(q.repeat_interleave(3, 2), k.repeat_interleave(3, 2),
+                                                          *rest), args)
+    assert_all_close(got, composed, NAMES)
+
+
+def test_grouped_value_heads_match_fla_naive_chunk():
+    q, k, v, g, beta, h0 = (x.detach() for x in fla_inputs(2, 128, 2, 4, 16, 16))
+    o, s = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, backend="torch")
+    o_fla, s_fla = naive.naive_chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    assert_close_rel(o, o_fla, rel=2e-5)
+    assert_close_rel(s, s_fla, rel=2e-5)
+
+
+def _gate_params(HV, K, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    A_log = torch.randn(HV, generator=gen).mul(0.5).requires_grad_()
+    dt_bias = torch.randn(HV * K, generator=gen).requires_grad_()
+    return A_log, dt_bias
+
+
+GATES = {
+    "softplus": (dict(), lambda g, A, dt: gate_ref.naive_kda_gate(g, A, dt)),
+    "softplus-no-bias": (dict(no_bias=True), lambda g, A, dt: gate_ref.naive_kda_gate(g, A, None)),
+    "lower-bound": (dict(lower_bound=-5.0), lambda g, A, dt: gate_ref.naive_kda_lowerbound_gate(g, A, dt, -5.0)),
+    "lower-bound-no-A": (dict(lower_bound=-3.0, no_A=True),
+                         lambda g, A, dt: gate_ref.naive_kda_lowerbound_gate(g, None, dt, -3.0)),
+}
+
+
+@pytest.mark.parametrize("op,backend", OPS, ids=OP_IDS)
+@pytest.mark.parametrize("gate", list(GATES))
+def test_in_kernel_gate_matches_fla(op, backend, gate):
+    """use_gate_in_kernel: the raw g through fla's gate formulas (naive_kda_gate, naive_kda_lowerbound_gate)
+    then fla's naive recurrence; gradients to g, A_log and dt_bias too. Grouped heads (HV = 2 H) on top."""
+    kw, fla_gate = GATES[gate]
+    args = fla_inputs(1, 37, 2, 4, 8, 8)
+    with torch.no_grad():
+        args[3].copy_(torch.randn(args[3].shape, generator=torch.Generator().manual_seed(5)) * 2)  # raw: any sign
+    A_log, dt_bias = _gate_params(4, 8)
+    params = [A_log] * (not kw.get("no_A")) + [dt_bias] * (not kw.get("no_bias"))
+    A = A_log if not kw.get("no_A") else None
+    dt = dt_bias if not kw.get("no_bias") else None
+
+    def ours(q, k, v, g, beta, h0, *_):
+        return op(q, k, v, g, beta, initial_state=h0, output_final_state=True, use_gate_in_kernel=True, A_log=A,
+                  dt_bias=dt, lower_bound=kw.get("lower_bound"), backend=backend)
+
+    def fla(q, k, v, g, beta, h0, *_):
+        return naive.naive_recurrent_kda(q, k, v, fla_gate(g, A, dt), beta, initial_state=h0, output_final_state=True)
+
+    names = NAMES + ["dA_log"] * (A is not None) + ["ddt_bias"] * (dt is not None)
+    got = outputs_and_grads(ours, args + params)
+    assert_all_close(got, outputs_and_grads(fla, args + params), names)
+    composed = outputs_and_grads(lambda q, k, v, g, beta, h0, *_: op(
+        q, k, v, fla_gate(g, A, dt), beta, initial_state=h0, output_final_state=True, backend=backend), args + params)
+    assert_all_close(got, composed, names)
+
+
+@pytest.mark.parametrize("op,backend", OPS, ids=OP_IDS)
+@pytest.mark.parametrize("neg", [False, True], ids=["sigmoid", "2sigmoid"])
+def test_beta_sigmoid_in_kernel_matches_fla(op, backend, neg):
+    """use_beta_sigmoid_in_kernel: beta given as logits; allow_neg_eigval doubles it (beta in (0, 2): the
+    transition I - beta k k^T may have a negative eigenvalue). Gradient to the raw logits."""
+    args = fla_inputs(1, 40, 2, 2, 8, 8)
+    with torch.no_grad():
+        args[4].copy_(torch.randn(args[4].shape, generator=torch.Generator().manual_seed(7)) * 3)
+    f = 2.0 if neg else 1.0
+    got = outputs_and_grads(lambda q, k, v, g, beta, h0: op(
+        q, k, v, g, beta, initial_state=h0, output_final_state=True, use_beta_sigmoid_in_kernel=True,
+        allow_neg_eigval=neg, backend=backend), args)
+    fla = outputs_and_grads(lambda q, k, v, g, beta, h0: naive.naive_recurrent_kda(
+        q, k, v, g, f * torch.sigmoid(beta), initial_state=h0, output_final_state=True), args)
+    assert_all_close(got, fla, NAMES)
+
+
+@pytest.mark.parametrize("op,backend", OPS, ids=OP_IDS)
+def test_state_v_first_is_the_transposed_state(op, backend):
+    args = fla_inputs(1, 20, 2, 2, 8, 4)
+
+    def v_first(q, k, v, g, beta, h0):
+        return op(q, k, v, g, beta, initial_state=h0.transpose(-1, -2).contiguous(), output_final_state=True,
+                  state_v_first=True, backend=backend)
+
+    o, s = v_first(*args)
+    assert s.shape == (1, 2, 4, 8) and s.is_contiguous()
+    got = outputs_and_grads(lambda *a: (lambda o, s: (o, s.transpose(-1, -2)))(*v_first(*a)), args)
+    ref = outputs_and_grads(lambda q, k, v, g, beta, h0: op(q, k, v, g, beta, initial_state=h0,
+                                                            output_final_state=True, backend=backend), args)
+    assert_all_close(got, ref, NAMES)
+
+
+def test_state_v_first_in_place_decode():
+    q, k, v, g, beta, h0 = (x.detach() for x in fla_inputs(2, 1, 2, 2, 8, 4))
+    _, s_ref = fused_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    state = h0.transpose(-1, -2).contiguous()
+    _, s = fused_recurrent_kda(q, k, v, g, beta, initial_state=state, state_v_first=True, inplace_final_state=True)
+    assert s is state
+    assert_close_rel(state.transpose(-1, -2), s_ref)
+
+
+@pytest.mark.parametrize("chunk_size", [32, 64])
+@pytest.mark.parametrize("varlen", [False, True], ids=["batched", "cu_seqlens"])
+def test_intermediate_states_are_the_states_entering_each_chunk(chunk_size, varlen):
+    """return_intermediate_states: h[:, n] is the state entering chunk n, i.e. the final state of the tokens
+    before it (composed from plain calls), on the torch and reference backends; in k's dtype, as fla returns."""
+    B, T = (1, 150) if varlen else (2, 100)
+    q, k, v, g, beta, _ = (x.detach() for x in fla_inputs(B, T, 2, 2, 8, 8))
+    cu = torch.tensor([0, 40, 150]) if varlen else None
+    h0 = torch.randn(2, 2, 8, 8)
+    kw = dict(initial_state=h0, output_final_state=True, cu_seqlens=cu, chunk_size=chunk_size,
+              return_intermediate_states=True)
+    with torch.inference_mode():
+        o, s, h = chunk_kda(q, k, v, g, beta, backend="torch", **kw)
+        o_r, s_r, h_r = chunk_kda(q, k, v, g, beta, backend="reference", **kw)
+    spans = [(0, 40), (40, 150)] if varlen else [(0, T)]
+    expected = []
+    for i, (b, e) in enumerate(spans):
+        rows = slice(None) if not varlen else slice(i, i + 1)
+        for start in range(b, e, chunk_size):
+            if start == b:
+                expected.append(h0[rows])
+            else:
+                sl = slice(b, start)
+                expected.append(chunk_kda(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl],
+                                          initial_state=h0[rows], output_final_state=True, backend="reference")[1])
+    expected = torch.stack(expected, 1) if not varlen else torch.cat(expected).unsqueeze(0)
+    assert h.shape == h_r.shape == expected.shape and h.dtype == k.dtype
+    assert_close_rel(h, expected)
+    assert_close_rel(h_r, expected)
+    assert_close_rel(o, o_r)
+    assert_close_rel(s, s_r)
+    with pytest.raises(ValueError, match="inference only"):
+        chunk_kda(q.requires_grad_(), k, v, g, beta, backend="torch", **kw)
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+@pytest.mark.parametrize("varlen", [False, True], ids=["batched", "cu_seqlens"])
+def test_state_pool_rows_read_and_written(backend, varlen):
+    """ssm_state_indices: sequence i starts from pool[idx[i]] and writes its final state back there; -1 is a
+    padding slot (zero outputs, pool untouched); rows no sequence names are untouched."""
+    H, K, V = 2, 8, 8
+    lens = (1, 1, 1) if not varlen else (2, 1, 3)
+    B, T = (3, 1) if not varlen else (1, sum(lens))
+    q, k, v, g, beta, _ = (x.detach() for x in fla_inputs(B, T, H, H, K, V))
+    cu = torch.tensor([0, 2, 3, 6]) if varlen else None
+    pool = torch.randn(5, H, K, V)
+    idx = torch.tensor([3, -1, 0])
+    expected_pool, expected_o = pool.clone(), torch.zeros(B, T, H, V)
+    for i, (b, e) in enumerate(zip([0, *torch.tensor(lens).cumsum(0).tolist()[:-1]], torch.tensor(lens).cumsum(0))):
+        if idx[i] < 0:
+            continue
+        tok = (slice(i, i + 1), slice(None)) if not varlen else (slice(None), slice(b, int(e)))
+        o_i, s_i = fused_recurrent_kda(*(x[tok] for x in (q, k, v, g, beta)), initial_state=pool[idx[i] : idx[i] + 1],
+                                       output_final_state=True, backend="reference")
+        expected_o[tok] = o_i
+        expected_pool[idx[i]] = s_i[0]
+    work = pool.clone()
+    o, s = fused_recurrent_kda(q, k, v, g, beta, initial_state=work, ssm_state_indices=idx, inplace_final_state=True,
+                               cu_seqlens=cu, backend=backend)
+    assert s is work
+    assert_close_rel(o, expected_o)
+    assert_close_rel(work, expected_pool)
+    assert torch.equal(work[[1, 2, 4]], pool[[1, 2, 4]])  # padding and unnamed rows untouched
+    work = pool.clone()
+    o2, s2 = fused_recurrent_kda(q, k, v, g, beta, initial_state=work, ssm_state_indices=idx, output_final_state=True,
+                                 cu_seqlens=cu, backend=backend)
+    assert torch.equal(work, pool) and s2.shape == (3, H, K, V)
+    assert_close_rel(o2, expected_o)
+    assert_close_rel(s2[[0, 2]], expected_pool[[3, 0]])
+
+
+@pytest.mark.parametrize("idx,match", [([3, 3, 0], "must not repeat"), ([5, -1, 0], r"rows in \[0, 5\)"),
+                                       ([1, -2, 0], r"rows in \[0, 5\)"), ([1, 0], "one pool row per sequence")])
+def test_state_pool_indices_validated(idx, match):
+    q, k, v, g, beta, _ = (x.detach() for x in fla_inputs(3, 1, 2, 2, 8, 8))
+    pool = torch.randn(5, 2, 8, 8)
+    before = pool.clone()
+    with pytest.raises(ValueError, match=match):
+        fused_recurrent_kda(q, k, v, g, beta, initial_state=pool, ssm_state_indices=torch.tensor(idx),
+                            inplace_final_state=True)
+    assert torch.equal(pool, before)
+
+
+@pytest.mark.parametrize("op,backend", OPS, ids=OP_IDS)
+def test_float64_gradcheck(op, backend):
+    """float64 runs in float64 on the torch and reference paths, so torch.autograd.gradcheck (finite differences
+    against the analytic gradient) checks every gradient, with the options composed on top: grouped heads, the
+    in-kernel gate (A_log, dt_bias), beta logits, and a full reset in one channel."""
+    args = fla_inputs(1, 6, 1, 2, 4, 3, dtype=torch.float64)
+    A_log, dt_bias = (x.detach().double().requires_grad_() for x in _gate_params(2, 4))
+
+    kw = dict(chunk_size=32) if op is chunk_kda else {}  # T = 6 pads to one chunk: the smaller, the faster
+    # the chunked path costs ~100 small kernels a call: fast_mode checks a random projection of the Jacobian
+    # (v^T J u against finite differences along u) instead of every column, ~30x fewer evaluations
+    fast = backend == "torch" and op is chunk_kda
+
+    def fn(q, k, v, g, beta, h0, A_log, dt_bias):
+        o, s = op(q, k, v, g, beta, initial_state=h0, output_final_state=True, use_gate_in_kernel=True, A_log=A_log,
+                  dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True, backend=backend, **kw)
+        assert o.dtype == s.dtype == torch.float64
+        return o, s
+
+    assert torch.autograd.gradcheck(fn, (*args, A_log, dt_bias), fast_mode=fast)
+    g = args[3].detach().clone()
+    g[0, 2, 1, 1] = float("-inf")
+    args[3] = g.requires_grad_()
+    assert torch.autograd.gradcheck(lambda q, k, v, g, beta, h0: op(
+        q, k, v, g, beta, initial_state=h0, output_final_state=True, backend=backend, **kw), tuple(args),
+        fast_mode=fast)
+
+
+def test_float64_refused_on_triton(monkeypatch):
+    from kda_hybrid import kda_ops
+
+    monkeypatch.setattr(kda_ops, "chunk_kda_triton", lambda *a, **kw: pytest.fail("kernel must not run"))
+    monkeypatch.setattr(kda_ops, "_triton_interpreted", lambda: True)
+    q, k, v, g, beta, h0 = (x.detach() for x in fla_inputs(1, 4, 1, 1, 4, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="float64 inputs run on backend='torch' or 'reference' only"):
+        chunk_kda(q, k, v, g, beta, backend="triton")
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["batched", "cu_seqlens"])
+def test_chunk_size_32_and_cu_seqlens_cpu(varlen):
+    q, k, v, g, beta, _ = (x.detach() for x in fla_inputs(1, 150, 2, 2, 8, 8))
+    g = g * 20  # strong decay: the hierarchical path at both chunk sizes
+    cu = torch.tensor([0, 33, 150]) if varlen else None
+    kw = dict(output_final_state=True, cu_seqlens=cu)
+    o_ref, s_ref = chunk_kda(q, k, v, g, beta, backend="reference", **kw)
+    for chunk_size in (32, 64):
+        o, s = chunk_kda(q, k, v, g, beta, chunk_size=chunk_size, backend="torch", **kw)
+        assert_close_rel(o, o_ref)
+        assert_close_rel(s, s_ref)
+    if varlen:
+        o2, s2 = chunk_kda(q, k, v, g, beta, cu_seqlens_cpu=cu.clone(), backend="torch", **kw)
+        assert torch.equal(o2, chunk_kda(q, k, v, g, beta, backend="torch", **kw)[0])
+
+
+@pytest.mark.parametrize("chunk_size", [16, 128, 48, True])
+def test_chunk_size_other_values_raise_fla_error(chunk_size):
+    q, k, v, g, beta, _ = make_inputs(1, 8, 2, 4, 6)
+    with pytest.raises(ValueError, match=r"`chunk_size` must be either 32 or 64 for KDA"):
+        chunk_kda(q, k, v, g, beta, chunk_size=chunk_size)
+
+
+@pytest.mark.parametrize("kw", [dict(safe_gate=True), dict(disable_recompute=True), dict(use_graph=True),
+                                dict(max_num_seqs=4), dict(lower_bound=-5.0)], ids=lambda kw: next(iter(kw)))
+def test_gpu_strategy_options_are_no_ops(kw):
+    """fla options that only pick a GPU kernel strategy: accepted, and the result is bit-identical (the same
+    computation on the same shapes)."""
+    q, k, v, g, beta, h0 = make_inputs(2, 70, 2, 8, 8, init_state=True)
+    base = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    got = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(got, base))
+
+
+BAD_OPTIONS = [
+    (dict(use_gate_in_kernel=True), "`A_log` must be provided"),
+    (dict(use_gate_in_kernel=True, A_log=torch.zeros(3)), r"A_log must be a float tensor of 2 elements"),
+    (dict(use_gate_in_kernel=True, A_log=torch.zeros(2), dt_bias=torch.zeros(2)), "dt_bias must be a float tensor"),
+    (dict(A_log=torch.zeros(2)), "pass use_gate_in_kernel=True"),
+    (dict(use_gate_in_kernel=True, A_log=torch.zeros(2), safe_gate=True), "`lower_bound` must be specified"),
+    (dict(use_gate_in_kernel=True, safe_gate=True, lower_bound=-6.0), r"safe range \[-5, 0\)"),
+    (dict(lower_bound=0.5), "lower_bound must be a negative number"),
+    (dict(allow_neg_eigval=True), "requires `use_beta_sigmoid_in_kernel=True`"),
+    (dict(return_intermediate_states=True, disable_recompute=True), "disable_recompute=False"),
+    (dict(cp_context=object()), "cp_context"),
+    (dict(cu_seqlens_cpu=torch.tensor([0, 8])), "pass cu_seqlens too"),
+    (dict(cu_seqlens=torch.tensor([0, 8]), cu_seqlens_cpu=torch.tensor([0, 4, 8])), "cu_seqlens' shape"),
+    (dict(max_num_seqs=0), "max_num_seqs"),
+]
+
+
+@pytest.mark.parametrize("kw,match", BAD_OPTIONS, ids=[m[:24] for _, m in BAD_OPTIONS])
+def test_bad_options_raise(kw, match):
+    q, k, v, g, beta, _ = make_inputs(1, 8, 2, 4, 6)
+    with pytest.raises(ValueError, match=match):
+        chunk_kda(q, k, v, g, beta, **kw)
+
+
+def test_options_are_keyword_only_and_typed():
+    q, k, v, g, beta, _ = make_inputs(1, 8, 2, 4, 6)
+    with pytest.raises(TypeError):
+        chunk_kda(q, k, v, g, beta, None)
+    with pytest.raises(TypeError, match="use_gate_in_kernel must be a bool"):
+        chunk_kda(q, k, v, g, beta, use_gate_in_kernel=1)
+    with pytest.raises(TypeError):
+        fused_recurrent_kda(q, k, v, g, beta, num_accepted_tokens=torch.ones(1))
+
+
+def test_triton_dispatch_passes_options_and_surfaces_missing_ones(monkeypatch):
+    """backend='triton' gets fla's keywords; an option its entry point does not take, or a NotImplementedError it
+    raises, is a clear NotImplementedError (no silent fall back to another backend)."""
+    from kda_hybrid import kda_ops
+
+    seen = {}
+
+    def old_kernel(q, k, v, g, beta, scale, initial_state=None, output_final_state=False,
+                   use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+        seen.update(scale=scale, initial_state=initial_state)
+        return v.clone(), None
+
+    def refusing_kernel(q, k, v, g, beta, scale, initial_state=None, output_final_state=False,
+                        use_qk_l2norm_in_kernel=False, cu_seqlens=None, use_beta_sigmoid_in_kernel=False, **kw):
+        raise NotImplementedError("beta logits are not fused yet")
+
+    monkeypatch.setattr(kda_ops, "_triton_interpreted", lambda: True)
+    monkeypatch.setattr(kda_ops, "chunk_kda_triton", old_kernel)
+    q, k, v, g, beta, _ = make_inputs(1, 8, 2, 4, 6)
+    o, _ = chunk_kda(q, k, v, g, beta, backend="triton")
+    assert torch.equal(o, v) and seen["scale"] == 0.5
+    with pytest.raises(NotImplementedError, match="does not implement use_beta_sigmoid_in_kernel"):
+        chunk_kda(q, k, v, g, beta, use_beta_sigmoid_in_kernel=True, backend="triton")
+    monkeypatch.setattr(kda_ops, "chunk_kda_triton", refusing_kernel)
+    with pytest.raises(NotImplementedError, match="beta logits are not fused yet"):
+        chunk_kda(q, k, v, g, beta, use_beta_sigmoid_in_kernel=True, backend="triton")
+    q2, k2 = q[:, :, :1], k[:, :, :1]  # H = 1 q/k head for HV = 2 value heads
+    monkeypatch.setattr(kda_ops, "chunk_kda_triton", old_kernel)
+    monkeypatch.setattr(kda_ops, "_triton_supports_gva", lambda: False)
+    with pytest.raises(NotImplementedError, match="grouped value heads"):
+        chunk_kda(q2, k2, v, g, beta, backend="triton")
+    monkeypatch.setattr(kda_ops, "_triton_supports_gva", lambda: True)
+    assert torch.equal(chunk_kda(q2, k2, v, g, beta, backend="triton")[0], v)

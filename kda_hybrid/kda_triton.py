@@ -54,10 +54,11 @@ try:  # inside try: transformers' remote-code import check skips try blocks, so 
 except ImportError as err:
     raise ImportError("kda_hybrid.kda_triton needs the triton package (GPU kernels); kda_torch does not") from err
 
-from .kda_torch import L2NORM_EPS, l2norm
+from .kda_torch import CHUNK_SIZE, CHUNK_SIZES, L2NORM_EPS, l2norm  # one chunk size for every path
 
-CHUNK_SIZE = 64  # default tokens per chunk (BT), as kda_torch.CHUNK_SIZE; fla's 32 is accepted too
-CHUNK_SIZES = (32, 64)  # the WY solve works on BT / SUB_CHUNK = 2 or 4 diagonal blocks
+# CHUNK_SIZE / CHUNK_SIZES (64 by default, fla's 32 too) come from kda_torch: the WY solve works on
+# BT / SUB_CHUNK = 2 or 4 diagonal blocks
+SUPPORTS_GVA = True  # the kernels index q/k head i_h // (HV // H): kda_ops dispatches grouped value heads here
 SUB_CHUNK = 16  # BC: side of the sub-blocks of A; 16 is the smallest tl.dot tile
 MAX_HEAD_DIM = 256  # K and V are held whole in one register tile
 # The scan's loop loads ~100 KB of tiles per chunk at K = V = 128 in fp32: triton's default 3-stage pipeline
@@ -77,7 +78,14 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    """Whether triton runs kernels in its interpreter: triton's own reading of TRITON_INTERPRET (its knobs accept
+    1/true/on/y/yes in any case), so kda_ops and the launcher never disagree."""
+    try:
+        from triton import knobs
+
+        return bool(knobs.runtime.interpret)
+    except (ImportError, AttributeError):  # triton < 3.4 has no knobs
+        return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "y", "yes")
 
 
 class _LazyKernel:

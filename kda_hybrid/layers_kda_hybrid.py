@@ -51,6 +51,24 @@ def _keep_fp32(module: nn.Module, names: tuple[str, ...]):
             p.data = p.data.float()
 
 
+def _plain_weight(module: nn.Module, kind: type) -> torch.Tensor | None:
+    """`module.weight` when reading it directly computes what `module(x)` computes, else None.
+
+    The fast paths below (MLA weight absorption, the KDA convs as multiply-adds) read a weight outside the
+    module's forward. That is only the module's own function when nothing changes it: the module is exactly
+    `kind` (not a peft LoRA layer, a quantised replacement or a parametrized / FSDP subclass), its weight a plain
+    Parameter (not a torchao quantised tensor or a tensor-parallel DTensor) on a real device (not meta), and no
+    hook runs around its forward (accelerate's offload hooks bring the weight in only inside the forward)."""
+    if type(module) is not kind or getattr(module, "_hf_hook", None) is not None:
+        return None
+    if module._forward_hooks or module._forward_pre_hooks:
+        return None
+    weight = module.weight
+    if type(weight) is not nn.Parameter or weight.device.type == "meta":
+        return None
+    return weight
+
+
 # ------------------------------------------------------------------------------------------------------
 # KDA
 # ------------------------------------------------------------------------------------------------------
@@ -114,11 +132,14 @@ class KDAHybridDeltaAttention(nn.Module):
 
     def _conv(self, conv: nn.Conv1d, x: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
         """Causal depthwise conv + SiLU. x: [B, C, T], state: [B, C, kernel - 1] (the inputs before x)."""
-        full = torch.cat((state.to(x.dtype), x), dim=-1)
+        full = torch.cat((state.to(x.dtype), x), dim=-1)  # [B, C, kernel - 1 + T]
+        weight = _plain_weight(conv, nn.Conv1d)
+        if weight is None:  # wrapped, hooked or quantised conv: its own forward (no padding: T outputs)
+            return F.silu(conv(full))
         if x.shape[-1] <= SMALL_CONV_TOKENS:  # decode: a multiply-add beats a convolution call 10x on CPU
             windows = full.unfold(-1, self.conv_size, 1)  # [B, C, T, kernel]
-            return F.silu((windows * conv.weight[:, None, 0, :]).sum(-1))
-        return F.silu(F.conv1d(full, conv.weight, groups=conv.weight.shape[0]))
+            return F.silu((windows * weight[:, None, 0, :]).sum(-1))
+        return F.silu(F.conv1d(full, weight, groups=weight.shape[0]))
 
     def _packed_conv(self, conv: nn.Conv1d, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """Causal depthwise conv + SiLU over packed documents: taps never reach into the previous document.
@@ -128,9 +149,19 @@ class KDAHybridDeltaAttention(nn.Module):
         depthwise conv1d's backward more still)."""
         N, width = x.shape[-1], self.conv_size
         pos = torch.arange(N, device=x.device)
-        since_start = pos - cu_seqlens[torch.searchsorted(cu_seqlens, pos, right=True) - 1]  # tokens before, same doc
+        doc = torch.searchsorted(cu_seqlens, pos, right=True) - 1  # document of each token
+        weight = _plain_weight(conv, nn.Conv1d)
+        if weight is None:
+            # wrapped, hooked or quantised conv: one call of its own forward over the documents laid out with
+            # (kernel - 1) zeros before each, so no window spans two documents; output t ends at input t
+            gap = width - 1
+            where = pos + gap * (doc + 1)  # each token's column in the gapped layout
+            spread = x.new_zeros(*x.shape[:-1], N + gap * (cu_seqlens.numel() - 1))
+            spread = spread.index_copy(-1, where, x)
+            return F.silu(conv(spread).index_select(-1, where - gap))
+        since_start = pos - cu_seqlens[doc]  # tokens before, same doc
         padded = F.pad(x, (width - 1, 0))
-        weight = conv.weight[:, 0, :, None]  # [C, kernel, 1]; tap j reads x[t - (kernel - 1 - j)]
+        weight = weight[:, 0, :, None]  # [C, kernel, 1]; tap j reads x[t - (kernel - 1 - j)]
         out = x * weight[:, width - 1]
         for j in range(width - 1):
             shift = width - 1 - j
@@ -352,7 +383,9 @@ class KDAHybridMLAttention(nn.Module):
             latent, k_rot = cache_layer.update(latent, k_rot)
         Tk = latent.shape[2]
         if T <= ABSORB_MAX_QUERY and Tk > T:
-            return self._absorbed(q, latent, k_rot, attention_mask)
+            w = _plain_weight(self.kv_b_proj, nn.Linear)
+            if w is not None:  # else (LoRA, offload hook, quantised): expand the latent through kv_b_proj below
+                return self._absorbed(q, latent, k_rot, attention_mask, w)
         kv = self.kv_b_proj(latent.squeeze(1)).view(B, Tk, self.num_heads, -1).transpose(1, 2)
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)  # [B, H, Tk, .]
         k = torch.cat((k_nope, k_rot.expand(-1, self.num_heads, -1, -1)), dim=-1)
@@ -372,14 +405,15 @@ class KDAHybridMLAttention(nn.Module):
             )
         return self.o_proj(out[..., : self.v_head_dim].reshape(B, T, -1))
 
-    def _absorbed(self, q, latent, k_rot, attention_mask):
+    def _absorbed(self, q, latent, k_rot, attention_mask, weight):
         """Decode against the cached latent without expanding it: kv_b_proj's key half is folded into the
         query and its value half applied after attention. Per step this costs H * Tk * (r + rope) instead of
         Tk * r * H * (nope + v) for re-expanding every cached token (128x less at 4K context for Kimi-48B).
-        q [B, H, T, nope + rope], latent [B, 1, Tk, r], k_rot [B, 1, Tk, rope]."""
+        q [B, H, T, nope + rope], latent [B, 1, Tk, r], k_rot [B, 1, Tk, rope]; weight: kv_b_proj's plain
+        [H * (nope + v), r] weight (H: the heads this process holds)."""
         B, Hq, T, _ = q.shape
         Tk = latent.shape[2]
-        w = self.kv_b_proj.weight.view(Hq, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        w = weight.view(Hq, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         w_k, w_v = w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]  # [H, nope, r], [H, v, r]
         q_nope, q_rope = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         q_lat = torch.einsum("bhtn,hnr->bhtr", q_nope, w_k)

@@ -153,32 +153,35 @@ def _gated_products(q, k, G):
     and the two diagonal halves are treated the same way, down to single tokens if need be. With ordinary
     decays one 64x64 matmul per chunk does it all; g = -20 per token costs a few more, smaller, levels.
     """
-    C = G.shape[-2]
-    A_kk = k.new_zeros(*G.shape[:-1], C)
-    A_qk = k.new_zeros(*G.shape[:-1], C)
-    s = C
-    while True:
-        nb = C // s
-        g_ = G.unflatten(-2, (nb, s))  # [..., nb, s, K]
-        q_, k_ = q.unflatten(-2, (nb, s)), k.unflatten(-2, (nb, s))
-        # views of the diagonal s x s blocks: [..., s, s, nb]
-        blocks_kk = torch.diagonal(A_kk.unflatten(-1, (nb, s)).unflatten(-3, (nb, s)), dim1=-4, dim2=-2)
-        blocks_qk = torch.diagonal(A_qk.unflatten(-1, (nb, s)).unflatten(-3, (nb, s)), dim1=-4, dim2=-2)
-        if s == 1 or float((g_[..., 0, :] - g_[..., -1, :]).detach().max()) <= MAX_BLOCK_DECAY:
-            anchor = g_[..., :1, :]
-            row_f = torch.exp(g_ - anchor)  # <= 1
-            col = k_ * torch.exp(anchor - g_)  # <= e^MAX_BLOCK_DECAY
-            col_t = col.transpose(-1, -2)
-            blocks_kk.copy_(((k_ * row_f) @ col_t).tril(-1).movedim(-3, -1))
-            blocks_qk.copy_(((q_ * row_f) @ col_t).tril(0).movedim(-3, -1))
-            return A_kk, A_qk
-        h = s // 2
-        ref = g_[..., h - 1 : h, :]  # [..., nb, 1, K]
-        row_f = torch.exp(g_[..., h:, :] - ref)  # rows after the midpoint, <= 1
-        col_t = (k_[..., :h, :] * torch.exp(ref - g_[..., :h, :])).transpose(-1, -2)  # <= 1
-        blocks_kk[..., h:, :h, :].copy_(((k_[..., h:, :] * row_f) @ col_t).movedim(-3, -1))
-        blocks_qk[..., h:, :h, :].copy_(((q_[..., h:, :] * row_f) @ col_t).movedim(-3, -1))
-        s = h
+    A_kk, A_qk = _gated_blocks(q.unsqueeze(-3), k.unsqueeze(-3), G.unsqueeze(-3))
+    return A_kk.squeeze(-3), A_qk.squeeze(-3)
+
+
+def _gated_blocks(q, k, G):
+    """_gated_products on nb diagonal blocks at once: q, k, G [..., nb, s, K] -> (A_kk, A_qk) [..., nb, s, s].
+
+    Built from the quadrants with torch.cat, never by writing into views of a preallocated matrix:
+    torch.compile's aot_autograd rejects in-place writes into views of a tensor that crosses a graph break
+    (the data-dependent decay test below is one), and the two forms cost the same in eager."""
+    s = G.shape[-2]
+    if s == 1 or float((G[..., 0, :] - G[..., -1, :]).detach().max()) <= MAX_BLOCK_DECAY:
+        anchor = G[..., :1, :]
+        row_f = torch.exp(G - anchor)  # <= 1
+        col_t = (k * torch.exp(anchor - G)).transpose(-1, -2)  # <= e^MAX_BLOCK_DECAY
+        return ((k * row_f) @ col_t).tril(-1), ((q * row_f) @ col_t).tril(0)
+    h = s // 2
+    ref = G[..., h - 1 : h, :]  # [..., nb, 1, K]
+    row_f = torch.exp(G[..., h:, :] - ref)  # rows after the midpoint, <= 1
+    col_t = (k[..., :h, :] * torch.exp(ref - G[..., :h, :])).transpose(-1, -2)  # <= 1
+    lower_left = ((k[..., h:, :] * row_f) @ col_t, (q[..., h:, :] * row_f) @ col_t)  # [..., nb, h, h]
+    halves = _gated_blocks(*(x.unflatten(-2, (2, h)).flatten(-4, -3) for x in (q, k, G)))  # [..., 2 nb, h, h]
+    out = []
+    for ll, d in zip(lower_left, halves):
+        d = d.unflatten(-3, (-1, 2))  # [..., nb, 2, h, h]: the upper and the lower diagonal half
+        upper = torch.cat((d[..., 0, :, :], torch.zeros_like(ll)), dim=-1)  # [..., nb, h, s]
+        lower = torch.cat((ll, d[..., 1, :, :]), dim=-1)
+        out.append(torch.cat((upper, lower), dim=-2))  # [..., nb, s, s]
+    return tuple(out)
 
 
 def _chunk_fwd(q, k, v, g, beta, state, chunk_size):

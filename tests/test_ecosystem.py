@@ -1,0 +1,217 @@
+"""The paths the transformers ecosystem takes with a model, each checked against the plain model or the model's own
+uncached computation: peft LoRA (unmerged), accelerate offload (from_pretrained device_map, cpu_offload,
+disk_offload), quantisation (torch.ao dynamic int8, torchao int8 weight-only), torch.compile, tensor-parallel plans,
+and the sequence / token classification heads (docs/ecosystem.md)."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from kda_hybrid.layers_kda_hybrid import _plain_weight
+from tests.test_model import prompt, tiny_model
+
+# MLA dense and MoE (the absorbed decode path and the router), GQA dense (no absorption, RoPE)
+ARCHS = [
+    pytest.param("mla", False, id="mla-dense"),
+    pytest.param("mla", True, id="mla-moe"),
+    pytest.param("gqa", False, id="gqa-dense"),
+]
+CONVS = ["q_conv1d", "k_conv1d", "v_conv1d"]
+
+
+def generate_both_ways(model, ids, n=6):
+    """Greedy generate with and without the cache, and one full forward over the generated sequence.
+    Returns (cached output, uncached output, full-forward logits at the generated positions)."""
+    kw = dict(max_new_tokens=n, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        cached = model.generate(ids, **kw)
+        uncached = model.generate(ids, use_cache=False, **kw)
+        full = model(input_ids=cached.sequences).logits[:, ids.shape[1] - 1 : -1]
+    return cached, uncached, full
+
+
+def assert_decode_is_full_forward(model, ids, n=6):
+    """Cached greedy decode == uncached greedy decode (tokens), and every cached step's logits == the full
+    forward's. fp32 on CPU: the cached and full paths order their sums differently (recurrent vs chunked KDA,
+    latent vs expanded MLA), about 1e-6 relative at these sizes; 1e-4 is the tolerance of test_model's own
+    cached-decode checks."""
+    cached, uncached, full = generate_both_ways(model, ids, n)
+    assert torch.equal(cached.sequences, uncached.sequences)
+    torch.testing.assert_close(torch.stack(cached.logits, 1), full, rtol=1e-4, atol=1e-4)
+    return full
+
+
+# --------------------------------------------------------------------------------------------------
+# Which weights the fast paths may read directly
+# --------------------------------------------------------------------------------------------------
+
+
+def test_plain_weight_only_for_unwrapped_modules():
+    linear, conv = nn.Linear(4, 6, bias=False), nn.Conv1d(6, 6, 3, groups=6, bias=False)
+    assert _plain_weight(linear, nn.Linear) is linear.weight and _plain_weight(conv, nn.Conv1d) is conv.weight
+    hooked = copy.deepcopy(linear)
+    hooked.register_forward_pre_hook(lambda module, args: None)
+    assert _plain_weight(hooked, nn.Linear) is None
+    with torch.device("meta"):
+        assert _plain_weight(nn.Linear(4, 6), nn.Linear) is None  # offloaded: the weight lives elsewhere
+
+    class Subclass(nn.Linear):
+        pass
+
+    assert _plain_weight(Subclass(4, 6), nn.Linear) is None  # a subclass may change forward
+    quantised = torch.ao.quantization.quantize_dynamic(nn.Sequential(linear), {nn.Linear}, dtype=torch.qint8)[0]
+    assert _plain_weight(quantised, nn.Linear) is None
+
+
+# --------------------------------------------------------------------------------------------------
+# peft LoRA, unmerged
+# --------------------------------------------------------------------------------------------------
+
+
+def lora_model(attention, moe, convs=False):
+    """All linear layers adapted (kv_b_proj included), random non-zero B so every adapter changes the output.
+    peft LoRA on a grouped conv needs the rank divisible by the groups: the depthwise convs (groups = channels =
+    32) take rank 32."""
+    from peft import LoraConfig, get_peft_model
+
+    model = tiny_model(attention, moe)
+    targets = "all-linear" if not convs else ["q_proj", "k_proj", "v_proj", "o_proj", "kv_b_proj", *CONVS]
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False,
+                        rank_pattern={name: 32 for name in CONVS} if convs else {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return model, get_peft_model(copy.deepcopy(model), config).eval()
+
+
+@pytest.mark.parametrize("attention,moe", ARCHS)
+def test_lora_unmerged_decode_equals_full_forward(attention, moe):
+    """The adapter on kv_b_proj is applied in every decode step, not only in the prompt forward (the absorbed
+    MLA path used to read the base weight and drop it: decode logits were off by 0.04-0.24)."""
+    base, peft_model = lora_model(attention, moe)
+    wrapped = {n.rsplit(".", 1)[-1] for n, m in peft_model.named_modules() if hasattr(m, "lora_A")}
+    assert "o_proj" in wrapped and (attention != "mla" or "kv_b_proj" in wrapped)
+    ids = prompt(B=2, T=9)
+    full = assert_decode_is_full_forward(peft_model, ids)
+    with torch.no_grad():  # the adapters matter: the check above could fail
+        seq = peft_model.generate(ids, max_new_tokens=6, do_sample=False)
+        assert (base(seq).logits[:, 8:-1] - full).abs().max() > 1e-2
+
+
+def test_lora_on_the_short_convs_decode_and_packed():
+    """LoRA on the depthwise q/k/v convs too: decode, and packed documents (whose convs must not reach across a
+    document start) go through the adapted conv's own forward."""
+    _, peft_model = lora_model("mla", False, convs=True)
+    assert all(hasattr(getattr(peft_model.base_model.model.model.layers[0].self_attn, c), "lora_A") for c in CONVS)
+    assert_decode_is_full_forward(peft_model, prompt(B=2, T=12))
+    x = prompt(B=1, T=20, seed=3)
+    position_ids = torch.cat([torch.arange(11), torch.arange(9)])[None]  # two documents, 11 + 9 tokens
+    with torch.no_grad():
+        packed = peft_model(input_ids=x, position_ids=position_ids).logits
+        apart = torch.cat([peft_model(input_ids=x[:, :11]).logits, peft_model(input_ids=x[:, 11:]).logits], 1)
+        with peft_model.disable_adapter():
+            plain = peft_model(input_ids=x, position_ids=position_ids).logits
+    torch.testing.assert_close(packed, apart, rtol=1e-4, atol=1e-5)  # chunked KDA per document vs packed
+    assert (packed - plain).abs().max() > 1e-2
+
+
+# --------------------------------------------------------------------------------------------------
+# accelerate offload
+# --------------------------------------------------------------------------------------------------
+
+
+def _from_pretrained(path, **kw):
+    from transformers import AutoModelForCausalLM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, **kw).eval()
+
+
+def assert_same_outputs(model, reference, ids):
+    """Offloading moves weights, it computes nothing differently: same kernels on the same shapes, so logits
+    agree to fp32 rounding (in practice bit for bit) and greedy tokens exactly."""
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=1e-6, atol=1e-6)
+        ref_cached, _, _ = generate_both_ways(reference, ids)
+        cached, uncached, full = generate_both_ways(model, ids)
+    assert torch.equal(cached.sequences, ref_cached.sequences) and torch.equal(uncached.sequences, cached.sequences)
+    torch.testing.assert_close(torch.stack(cached.logits, 1), full, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("attention,moe", ARCHS)
+def test_from_pretrained_disk_offload_equals_in_memory(attention, moe, tmp_path):
+    """device_map="auto" with 200 KB of CPU memory: the decoder layers go to disk (offload_folder). Compared with
+    the same checkpoint loaded in memory (a from_pretrained materialised from meta, as transformers' own offload
+    tests compare)."""
+    tiny_model(attention, moe).save_pretrained(tmp_path / "model")
+    reference = _from_pretrained(tmp_path / "model")
+    model = _from_pretrained(tmp_path / "model", device_map="auto", max_memory={"cpu": "200KB"},
+                             offload_folder=tmp_path / "offload")
+    assert "disk" in set(model.hf_device_map.values())
+    assert_same_outputs(model, reference, prompt(B=2, T=9))
+
+
+@pytest.mark.parametrize("how", ["cpu_offload", "disk_offload"])
+def test_accelerate_offload_utilities(how, tmp_path):
+    """Every parameter on meta, brought in by accelerate's hooks only inside its module's forward (the fp32-kept
+    A_log / dt_bias / router weights included)."""
+    import accelerate
+
+    reference = tiny_model("mla", True)
+    model = copy.deepcopy(reference)
+    if how == "cpu_offload":
+        accelerate.cpu_offload(model, execution_device="cpu")
+    else:
+        accelerate.disk_offload(model, tmp_path / "offload", execution_device="cpu")
+    attn = model.model.layers[0].self_attn
+    assert attn.A_log.device.type == "meta" and attn.q_conv1d.weight.device.type == "meta"
+    assert model.model.layers[3].self_attn.kv_b_proj.weight.device.type == "meta"
+    assert_same_outputs(model, reference, prompt(B=2, T=9))
+
+
+# --------------------------------------------------------------------------------------------------
+# Quantisation
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("attention,moe", ARCHS)
+def test_dynamic_int8_generates_with_the_cache(attention, moe):
+    """torch.ao dynamic int8 Linears: the cached decode runs through the quantised modules.
+
+    Dynamic quantisation picks each activation's int8 scale from the whole input tensor, so a one-token decode
+    step and the full forward over the sequence round activations on different grids: cached and uncached
+    generation are not the same computation (a built-in LlamaForCausalLM quantised the same way differs between
+    the two as well). What must hold: the cached decode is as close to the float model as the quantised full
+    forward is (within twice its error), and it is not the float model (the quantised Linears were used)."""
+    float_model = tiny_model(attention, moe)
+    model = torch.ao.quantization.quantize_dynamic(copy.deepcopy(float_model), {nn.Linear}, dtype=torch.qint8)
+    ids = prompt(B=2, T=9)
+    cached, _, full = generate_both_ways(model, ids)
+    decode = torch.stack(cached.logits, 1)
+    with torch.no_grad():
+        float_full = float_model(cached.sequences).logits[:, ids.shape[1] - 1 : -1]
+    quantisation_error = (full - float_full).abs().max()
+    assert quantisation_error > 1e-3  # the quantised Linears run in the full forward
+    assert (decode - float_full).abs().max() <= 2 * quantisation_error
+    assert (decode - float_full).abs().max() > 1e-3  # and in the decode steps
+
+
+@pytest.mark.parametrize("attention,moe", ARCHS)
+def test_torchao_int8_weight_only_decode_equals_full_forward(attention, moe):
+    """Weight-only int8 (torchao): activations stay fp32, so cached and uncached generation are the same function
+    of the quantised weights and must agree as the float model's do."""
+    torchao = pytest.importorskip("torchao")
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    float_model = tiny_model(attention, moe)
+    model = copy.deepcopy(float_model)
+    quantize_(model, Int8WeightOnlyConfig())
+    assert isinstance(model.model.layers[3].self_attn.o_proj.weight, torchao.utils.TorchAOBaseTensor)
+    ids = prompt(B=2, T=9)
+    full = assert_decode_is_full_forward(model, ids)
+    with torch.no_grad():
+        seq = model.generate(ids, max_new_tokens=6, do_sample=False)
+        assert (float_model(seq).logits[:, 8:-1] - full).abs().max() > 1e-4  # the int8 weights were used

@@ -57,16 +57,32 @@ def _plain_weight(module: nn.Module, kind: type) -> torch.Tensor | None:
     The fast paths below (MLA weight absorption, the KDA convs as multiply-adds) read a weight outside the
     module's forward. That is only the module's own function when nothing changes it: the module is exactly
     `kind` (not a peft LoRA layer, a quantised replacement or a parametrized / FSDP subclass), its weight a plain
-    Parameter (not a torchao quantised tensor or a tensor-parallel DTensor) on a real device (not meta), and no
-    hook runs around its forward (accelerate's offload hooks bring the weight in only inside the forward)."""
+    Parameter (not a torchao quantised tensor) on a real device (not meta), and no hook runs around its forward
+    (accelerate's offload hooks bring the weight in only inside the forward).
+
+    Tensor parallelism: a weight sharded along its output rows (a DTensor placed Shard(0): transformers' colwise
+    Linear, the KDA convs' channel shards) gives this process's rows, which is what the module's forward computes
+    on a replicated input (the heads this process holds)."""
     if type(module) is not kind or getattr(module, "_hf_hook", None) is not None:
         return None
     if module._forward_hooks or module._forward_pre_hooks:
         return None
     weight = module.weight
+    if _is_row_sharded(weight):
+        return weight.to_local()
     if type(weight) is not nn.Parameter or weight.device.type == "meta":
         return None
+    if "forward" in module.__dict__:  # forward replaced on the instance (a wrapper we cannot see through)
+        return None
     return weight
+
+
+def _is_row_sharded(weight: torch.Tensor) -> bool:
+    if not (torch.distributed.is_available() and isinstance(weight, torch.distributed.tensor.DTensor)):
+        return False
+    placements = weight.placements
+    return len(placements) == 1 and isinstance(placements[0], torch.distributed.tensor.Shard) and \
+        placements[0].dim == 0
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -180,7 +196,7 @@ class KDAHybridDeltaAttention(nn.Module):
         if cu_seqlens is not None:
             return self._forward_packed(hidden_states, cu_seqlens)
         B, T, _ = hidden_states.shape
-        H, K = self.num_heads, self.head_dim
+        K = self.head_dim  # heads: from the tensors (tensor parallelism gives each process a slice of them)
         perm = inv = None
         if token_mask is not None:
             perm, inv = _compaction(token_mask)
@@ -194,16 +210,16 @@ class KDAHybridDeltaAttention(nn.Module):
 
         has_state = cache_layer is not None and cache_layer.is_initialized
         width = self.conv_size - 1
+        conv_inputs = [proj(x).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj)]  # [B, C, T]
         if has_state:
             conv_before = cache_layer.conv_states
             state = cache_layer.recurrent_state
-        else:
-            conv_before = [x.new_zeros(B, H * K, width) for _ in range(3)]
+        else:  # C = H * K, or this process's heads under tensor parallelism
+            conv_before = [xi.new_zeros(B, xi.shape[1], width) for xi in conv_inputs]
             state = None
 
-        conv_inputs = [proj(x).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj)]  # [B, C, T]
         q, k, v = (
-            self._conv(conv, xi, s).transpose(1, 2).reshape(B, T, H, K)  # [B, T, H, K]
+            self._conv(conv, xi, s).transpose(1, 2).reshape(B, T, -1, K)  # [B, T, H, K]
             for conv, xi, s in zip((self.q_conv1d, self.k_conv1d, self.v_conv1d), conv_inputs, conv_before)
         )
         g, beta = self._gates(x)
@@ -213,7 +229,7 @@ class KDAHybridDeltaAttention(nn.Module):
 
         recording = cache_layer is not None and cache_layer.record_past
         if recording:
-            state_before = state.clone() if state is not None else q.new_zeros(B, H, K, K, dtype=torch.float32)
+            state_before = state.clone() if state is not None else q.new_zeros(B, q.shape[2], K, K, dtype=torch.float32)
             cache_layer.record(_Segment(
                 conv_before=[c.clone() for c in conv_before], state_before=state_before,
                 conv_inputs=[c.detach() for c in conv_inputs], q=q.detach(), k=k.detach(), v=v.detach(),
@@ -242,20 +258,20 @@ class KDAHybridDeltaAttention(nn.Module):
     def _gates(self, x):
         B, T, _ = x.shape
         g = F.softplus(self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float())  # [B, T, H*K]
-        g = -self.A_log.float().exp() * g.view(B, T, self.num_heads, self.head_dim)  # [B, T, H, K] log decay
+        g = -self.A_log.float().exp() * g.view(B, T, -1, self.head_dim)  # [B, T, H, K] log decay
         return g, torch.sigmoid(self.b_proj(x).float())  # beta [B, T, H]
 
     def _output(self, x, o):
         B, T, _ = x.shape
-        gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, self.num_heads, self.head_dim)
+        gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, -1, self.head_dim)
         return self.o_proj(self.o_norm(o, gate).reshape(B, T, -1))  # [B, T, H*V] -> [B, T, D]
 
     def _forward_packed(self, hidden_states, cu_seqlens):
         B, T, D = hidden_states.shape
-        H, K = self.num_heads, self.head_dim
+        K = self.head_dim
         x = hidden_states.reshape(1, B * T, D)  # documents never cross rows, so rows pack end to end
         q, k, v = (
-            self._packed_conv(conv, proj(x).transpose(1, 2), cu_seqlens).transpose(1, 2).reshape(1, B * T, H, K)
+            self._packed_conv(conv, proj(x).transpose(1, 2), cu_seqlens).transpose(1, 2).reshape(1, B * T, -1, K)
             for proj, conv in ((self.q_proj, self.q_conv1d), (self.k_proj, self.k_conv1d), (self.v_proj, self.v_conv1d))
         )
         g, beta = self._gates(x)
@@ -375,7 +391,7 @@ class KDAHybridMLAttention(nn.Module):
             q = self.q_proj(hidden_states)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
-        q = q.view(B, T, self.num_heads, self.qk_head_dim).transpose(1, 2)  # [B, H, T, Dqk]
+        q = q.view(B, T, -1, self.qk_head_dim).transpose(1, 2)  # [B, H, T, Dqk]; H: this process's heads
         latent, k_rot = self.kv_a_proj_with_mqa(hidden_states).split([self.kv_lora_rank, self.qk_rope_head_dim], -1)
         latent = self.kv_a_layernorm(latent).unsqueeze(1)  # [B, 1, T, r]
         k_rot = k_rot.unsqueeze(1)  # [B, 1, T, rope]
@@ -386,9 +402,9 @@ class KDAHybridMLAttention(nn.Module):
             w = _plain_weight(self.kv_b_proj, nn.Linear)
             if w is not None:  # else (LoRA, offload hook, quantised): expand the latent through kv_b_proj below
                 return self._absorbed(q, latent, k_rot, attention_mask, w)
-        kv = self.kv_b_proj(latent.squeeze(1)).view(B, Tk, self.num_heads, -1).transpose(1, 2)
+        kv = self.kv_b_proj(latent.squeeze(1)).view(B, Tk, -1, self.qk_nope_head_dim + self.v_head_dim).transpose(1, 2)
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)  # [B, H, Tk, .]
-        k = torch.cat((k_nope, k_rot.expand(-1, self.num_heads, -1, -1)), dim=-1)
+        k = torch.cat((k_nope, k_rot.expand(-1, q.shape[1], -1, -1)), dim=-1)
         pad = self.qk_head_dim - self.v_head_dim
         if pad > 0 and self.config._attn_implementation == "sdpa":
             # PyTorch's fused (flash) SDPA needs equal q/k and v head dims; otherwise it falls back to the math

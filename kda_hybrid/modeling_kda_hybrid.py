@@ -235,6 +235,8 @@ class KDAHybridModel(KDAHybridPreTrainedModel):
 
 class KDAHybridForCausalLM(KDAHybridPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}  # the base model's plan is in KDAHybridConfig
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
 
     def __init__(self, config: KDAHybridConfig):
         super().__init__(config)

@@ -5,6 +5,7 @@ and the sequence / token classification heads (docs/ecosystem.md)."""
 
 import copy
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -215,3 +216,97 @@ def test_torchao_int8_weight_only_decode_equals_full_forward(attention, moe):
     with torch.no_grad():
         seq = model.generate(ids, max_new_tokens=6, do_sample=False)
         assert (float_model(seq).logits[:, 8:-1] - full).abs().max() > 1e-4  # the int8 weights were used
+
+
+# --------------------------------------------------------------------------------------------------
+# Tensor parallelism: transformers' own engine (from_pretrained(tp_plan="auto")) on 2 gloo processes
+# --------------------------------------------------------------------------------------------------
+
+
+def _tp_worker(folder):
+    """Run by each of the torchrun processes: load with tp_plan="auto", check every planned parameter is sharded,
+    save this process's logits and greedy tokens."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Shard
+
+    model = _from_pretrained(folder, tp_plan="auto")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shards = {}
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor) and any(isinstance(s, Shard) for s in p.placements):
+            shards[name] = (tuple(p.shape), tuple(p.to_local().shape))
+    inputs = torch.load(f"{folder}/inputs.pt")
+    with torch.no_grad():
+        logits = model(input_ids=inputs["ids"]).logits
+        tokens = model.generate(inputs["ids"], max_new_tokens=6, do_sample=False)
+    torch.save({"logits": logits, "tokens": tokens, "shards": shards, "world": world}, f"{folder}/rank{rank}.pt")
+
+
+def run_tensor_parallel(model, tmp_path, ids):
+    import os
+    import subprocess
+    import sys
+
+    folder = tmp_path / "model"
+    model.save_pretrained(folder)
+    torch.save({"ids": ids}, folder / "inputs.pt")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                                         os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           __file__, str(folder)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return [torch.load(folder / f"rank{r}.pt") for r in range(2)]
+
+
+TP_SHARDED = (  # one parameter of every planned kind: (name, dim that splits in two)
+    ("model.layers.0.self_attn.q_proj.weight", 0), ("model.layers.0.self_attn.q_conv1d.weight", 0),
+    ("model.layers.0.self_attn.A_log", 2), ("model.layers.0.self_attn.dt_bias", 0),
+    ("model.layers.0.self_attn.f_b_proj.weight", 0), ("model.layers.0.self_attn.g_b_proj.weight", 0),
+    ("model.layers.0.self_attn.b_proj.weight", 0), ("model.layers.0.self_attn.o_proj.weight", 1),
+    ("model.layers.0.mlp.gate_proj.weight", 0), ("model.layers.0.mlp.down_proj.weight", 1),
+    ("model.layers.3.self_attn.q_b_proj.weight", 0), ("model.layers.3.self_attn.kv_b_proj.weight", 0),
+    ("model.layers.3.self_attn.o_proj.weight", 1),
+    ("model.layers.1.block_sparse_moe.experts.0.w1.weight", 0),
+    ("model.layers.1.block_sparse_moe.experts.3.w2.weight", 1),
+    ("model.layers.1.block_sparse_moe.shared_experts.up_proj.weight", 0), ("lm_head.weight", 0),
+)
+
+
+@pytest.mark.slow  # two torchrun processes: 15 s on a quiet machine, a minute on a loaded one
+@pytest.mark.parametrize("attention,moe,over", [
+    pytest.param("mla", True, {"q_lora_rank": 12}, id="mla-qlora-moe"),
+    pytest.param("gqa", False, {}, id="gqa-dense"),
+])
+def test_tensor_parallel_two_processes_equal_one(attention, moe, over):
+    """KDA heads, MLA heads (q_lora: q_b_proj) or GQA heads (2 key/value heads, one per process), the dense MLP,
+    routed and shared experts and lm_head split over two gloo processes on CPU: logits equal the one-process model
+    (the sums are split in two partial sums and all-reduced, fp32 rounding: 1e-5), greedy tokens with the cache
+    (absorbed MLA decode on the local heads) exactly."""
+    import tempfile
+
+    model = tiny_model(attention, moe, **over)
+    ids = prompt(B=2, T=11)
+    with torch.no_grad():
+        reference = model(input_ids=ids).logits
+        tokens = model.generate(ids, max_new_tokens=6, do_sample=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        results = run_tensor_parallel(model, Path(tmp), ids)
+    names = dict(model.named_parameters())
+    sharded = [(name, dim) for name, dim in TP_SHARDED if name in names]
+    sharded += [(f"model.layers.3.self_attn.{p}_proj.weight", 0) for p in "qkv" if attention == "gqa"]
+    assert len(sharded) >= 12
+    for name, dim in sharded:  # each process holds its part (the odd vocabulary of lm_head splits 49 + 48)
+        (full, local0), (_, local1) = results[0]["shards"][name], results[1]["shards"][name]
+        assert 0 < local0[dim] < full[dim] and local0[dim] + local1[dim] == full[dim], name
+    for r in results:
+        assert r["world"] == 2
+        torch.testing.assert_close(r["logits"], reference, rtol=1e-5, atol=1e-5)
+        assert torch.equal(r["tokens"], tokens)
+
+
+if __name__ == "__main__":  # the torchrun worker of the tensor-parallel test
+    import sys
+
+    _tp_worker(sys.argv[1])

@@ -306,6 +306,93 @@ def test_tensor_parallel_two_processes_equal_one(attention, moe, over):
         assert torch.equal(r["tokens"], tokens)
 
 
+# --------------------------------------------------------------------------------------------------
+# Sequence and token classification heads, through the Auto classes from a saved folder
+# --------------------------------------------------------------------------------------------------
+
+
+def _load_auto(auto, folder, **kw):
+    import transformers
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return getattr(transformers, auto).from_pretrained(folder, trust_remote_code=True, **kw)
+
+
+@pytest.mark.parametrize("auto,labels_shape", [
+    ("AutoModelForSequenceClassification", "rows"), ("AutoModelForTokenClassification", "tokens"),
+])
+def test_classification_heads_from_a_saved_causal_lm(auto, labels_shape, tmp_path):
+    """A causal LM checkpoint loads into either head through its Auto class (auto_map, remote code): the decoder
+    weights carried over, a fresh `score`; labels give a loss; one AdamW step lowers it."""
+    lm = tiny_model("mla", True)
+    lm.save_pretrained(tmp_path)
+    model = _load_auto(auto, tmp_path, num_labels=3).train()
+    assert type(model).__name__ == auto.replace("AutoModelFor", "KDAHybridFor")
+    kv_b = "model.layers.3.self_attn.kv_b_proj.weight"
+    torch.testing.assert_close(model.state_dict()[kv_b], lm.state_dict()[kv_b])
+    ids = prompt(B=4, T=10, seed=2)
+    gen = torch.Generator().manual_seed(3)
+    labels = torch.randint(0, 3, (4,) if labels_shape == "rows" else (4, 10), generator=gen)
+    if labels_shape == "tokens":
+        model.dropout.p = 0.0  # the same function before and after the step
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    out = model(input_ids=ids, labels=labels, use_cache=False)
+    assert out.logits.shape == ((4, 3) if labels_shape == "rows" else (4, 10, 3))
+    expected = torch.nn.functional.cross_entropy(out.logits.reshape(-1, 3), labels.reshape(-1))
+    torch.testing.assert_close(out.loss, expected)
+    out.loss.backward()
+    optimizer.step()
+    with torch.no_grad():
+        assert model(input_ids=ids, labels=labels, use_cache=False).loss < out.loss
+
+
+def test_sequence_classification_reads_the_last_real_token(tmp_path):
+    """Right padding (pad_token_id 0 after the text) and left padding (before it, with the attention mask) both
+    score the row's last real token: the same logits as the row alone."""
+    from kda_hybrid import KDAHybridForSequenceClassification
+
+    torch.manual_seed(0)
+    KDAHybridForSequenceClassification(tiny_model("mla").config).save_pretrained(tmp_path)
+    model = _load_auto("AutoModelForSequenceClassification", tmp_path).eval()
+    assert model.config.pad_token_id == 0
+    short, long = prompt(B=1, T=6, seed=4), prompt(B=1, T=9, seed=5)
+    pad = torch.zeros(1, 3, dtype=torch.long)
+    with torch.no_grad():
+        alone = torch.cat([model(input_ids=short).logits, model(input_ids=long).logits])
+        right = model(input_ids=torch.cat([torch.cat([short, pad], 1), long]),
+                      attention_mask=torch.cat([torch.cat([torch.ones_like(short), pad], 1), torch.ones_like(long)]))
+        left = model(input_ids=torch.cat([torch.cat([pad, short], 1), long]),
+                     attention_mask=torch.cat([torch.cat([pad, torch.ones_like(short)], 1), torch.ones_like(long)]))
+    torch.testing.assert_close(right.logits, alone, rtol=1e-5, atol=1e-5)  # padded rows: chunked KDA, other shapes
+    torch.testing.assert_close(left.logits, alone, rtol=1e-5, atol=1e-5)
+
+
+
+def test_classification_heads_load_as_remote_code_in_a_fresh_process(tmp_path):
+    """In a process that never imported kda_hybrid, the Auto classes find the heads through the saved auto_map and
+    the folder's own modules (trust_remote_code), as a Hub user gets them."""
+    import subprocess
+    import sys
+
+    tiny_model("gqa").save_pretrained(tmp_path)
+    code = (
+        "import sys, torch, transformers\n"
+        "for auto in ('AutoModelForSequenceClassification', 'AutoModelForTokenClassification'):\n"
+        "    m = getattr(transformers, auto).from_pretrained(sys.argv[1], trust_remote_code=True, num_labels=2)\n"
+        "    assert type(m).__module__.startswith('transformers_modules'), type(m).__module__\n"
+        "    ids = torch.tensor([[5, 6, 7, 0], [8, 9, 10, 11]])\n"
+        "    labels = torch.tensor([0, 1]) if 'Sequence' in auto else torch.ones(2, 4, dtype=torch.long)\n"
+        "    loss = m(input_ids=ids, attention_mask=(ids != 0).long(), labels=labels).loss\n"
+        "    assert torch.isfinite(loss), loss\n"
+        "    print(type(m).__name__)\n"
+        "assert 'kda_hybrid' not in sys.modules\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["KDAHybridForSequenceClassification", "KDAHybridForTokenClassification"]
+
 if __name__ == "__main__":  # the torchrun worker of the tensor-parallel test
     import sys
 

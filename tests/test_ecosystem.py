@@ -219,17 +219,113 @@ def test_torchao_int8_weight_only_decode_equals_full_forward(attention, moe):
 
 
 # --------------------------------------------------------------------------------------------------
+# torch.compile (inductor, CPU)
+# --------------------------------------------------------------------------------------------------
+
+
+def _fresh_dynamo():
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow  # inductor compiles the forward and backward graphs: about a minute on CPU
+def test_compiled_forward_and_training_step_match_eager():
+    """torch.compile(model) with the default backend: the forward (chunked KDA, MLA) and one training step (loss,
+    gradients, an SGD update) equal eager (SGD, not AdamW: Adam's first step g / (|g| + eps) turns the rounding of
+    gradients near eps into whole-lr differences). Inductor fuses and reorders fp32 elementwise work and reductions:
+    the results move by fp32 rounding (about 1e-6 relative here), amplified through the layers and the chunked
+    KDA products; 1e-4 relative bounds that with room, far below any real difference (wrong masks or decay are
+    off by > 1e-2)."""
+    _fresh_dynamo()
+    eager = tiny_model("mla", False).train()
+    model = copy.deepcopy(eager)
+    compiled = torch.compile(model)
+    ids, labels = prompt(B=2, T=40, seed=6), prompt(B=2, T=40, seed=7)
+    losses, grads = [], []
+    for m, fwd in ((eager, eager), (model, compiled)):
+        optimizer = torch.optim.SGD(m.parameters(), lr=0.1)
+        out = fwd(input_ids=ids, labels=labels, use_cache=False)
+        out.loss.backward()
+        grads.append({n: p.grad.clone() for n, p in m.named_parameters()})
+        optimizer.step()
+        losses.append((out.logits.detach(), out.loss.detach()))
+    torch.testing.assert_close(losses[1][0], losses[0][0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(losses[1][1], losses[0][1], rtol=1e-5, atol=1e-6)
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-4, atol=1e-6, msg=name)
+    for (name, p), q in zip(eager.named_parameters(), model.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow  # two inductor compiles of the one-token step (static, then dynamic cache length)
+@pytest.mark.parametrize("attention", ["mla", "gqa"])
+def test_compiled_decode_step_matches_eager(attention):
+    """The one-token decode step compiles to one graph without breaks (the dense models; torch._dynamo.explain)
+    and decodes the eager model's greedy tokens, logits within fp32 rounding of the fused kernels."""
+    from kda_hybrid import KDAHybridCache
+
+    _fresh_dynamo()
+    model = tiny_model(attention, False)
+    ids = prompt(B=2, T=12, seed=8)
+    with torch.no_grad():
+        cache = KDAHybridCache(model.config)
+        model(input_ids=ids, cache=cache)
+        explained = torch._dynamo.explain(model)(input_ids=ids[:, -1:], cache=copy.deepcopy(cache))
+        assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
+
+        def decode(forward, n=10):
+            step_cache, tok, logits = copy.deepcopy(cache), ids[:, -1:], []
+            for _ in range(n):
+                out = forward(input_ids=tok, cache=step_cache)
+                logits.append(out.logits)
+                tok = out.logits[:, -1:].argmax(-1)
+            return torch.cat(logits, 1)
+
+        _fresh_dynamo()
+        eager, compiled = decode(model), decode(torch.compile(model))
+    assert torch.equal(eager.argmax(-1), compiled.argmax(-1))
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
+
+
+def test_generate_compile_config_is_refused_with_a_warning_not_ignored():
+    """transformers compiles generate()'s decode step only for caches that declare is_compileable (fixed-shape
+    StaticCache-like buffers). KDAHybridCache's attention KV grows with the sequence (docs/ecosystem.md): a
+    compile_config is then skipped by transformers with its warning, and generation is unchanged."""
+    from transformers import CompileConfig
+    from transformers.testing_utils import CaptureLogger
+    from transformers.utils import logging
+
+    from kda_hybrid import KDAHybridCache
+
+    model = tiny_model("mla", False)
+    ids = prompt(B=1, T=6)
+    plain = model.generate(ids, max_new_tokens=4, do_sample=False)
+    config = copy.deepcopy(model.generation_config)
+    config.compile_config = CompileConfig()
+    config.compile_config._compile_all_devices = True  # let transformers consider compiling on CPU too
+    assert not model._valid_auto_compile_criteria({"cache": KDAHybridCache(model.config)}, config)
+    logger = logging.get_logger("transformers.generation.utils")
+    logger.warning_once.cache_clear()
+    with CaptureLogger(logger) as captured:
+        out = model.generate(ids, generation_config=config, max_new_tokens=4, do_sample=False)
+    assert "unable to meet the criteria for compilation" in captured.out
+    assert torch.equal(out, plain)
+
+# --------------------------------------------------------------------------------------------------
 # Tensor parallelism: transformers' own engine (from_pretrained(tp_plan="auto")) on 2 gloo processes
 # --------------------------------------------------------------------------------------------------
 
 
-def _tp_worker(folder):
-    """Run by each of the torchrun processes: load with tp_plan="auto", check every planned parameter is sharded,
-    save this process's logits and greedy tokens."""
+def _distributed_worker(folder, mode):
+    """Run by each of the torchrun processes: load with tp_plan="auto" (mode "tp") or split the layers in two
+    pipeline stages (mode "pp"), record which parameters are sharded, save this process's logits and greedy
+    tokens."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Shard
+    from transformers.distributed import DistributedConfig
 
-    model = _from_pretrained(folder, tp_plan="auto")
+    kw = dict(tp_plan="auto") if mode == "tp" else dict(distributed_config=DistributedConfig(pp_size=2))
+    model = _from_pretrained(folder, **kw)
     rank, world = dist.get_rank(), dist.get_world_size()
     shards = {}
     for name, p in model.named_parameters():
@@ -239,10 +335,12 @@ def _tp_worker(folder):
     with torch.no_grad():
         logits = model(input_ids=inputs["ids"]).logits
         tokens = model.generate(inputs["ids"], max_new_tokens=6, do_sample=False)
-    torch.save({"logits": logits, "tokens": tokens, "shards": shards, "world": world}, f"{folder}/rank{rank}.pt")
+    stage = [type(layer).__name__ for layer in model.model.layers]
+    torch.save({"logits": logits, "tokens": tokens, "shards": shards, "world": world, "stage": stage},
+               f"{folder}/rank{rank}.pt")
 
 
-def run_tensor_parallel(model, tmp_path, ids):
+def run_two_processes(model, tmp_path, ids, mode="tp"):
     import os
     import subprocess
     import sys
@@ -254,7 +352,7 @@ def run_tensor_parallel(model, tmp_path, ids):
                                                          os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           __file__, str(folder)]
+           __file__, str(folder), mode]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     return [torch.load(folder / f"rank{r}.pt") for r in range(2)]
@@ -279,20 +377,17 @@ TP_SHARDED = (  # one parameter of every planned kind: (name, dim that splits in
     pytest.param("mla", True, {"q_lora_rank": 12}, id="mla-qlora-moe"),
     pytest.param("gqa", False, {}, id="gqa-dense"),
 ])
-def test_tensor_parallel_two_processes_equal_one(attention, moe, over):
+def test_tensor_parallel_two_processes_equal_one(attention, moe, over, tmp_path):
     """KDA heads, MLA heads (q_lora: q_b_proj) or GQA heads (2 key/value heads, one per process), the dense MLP,
     routed and shared experts and lm_head split over two gloo processes on CPU: logits equal the one-process model
     (the sums are split in two partial sums and all-reduced, fp32 rounding: 1e-5), greedy tokens with the cache
     (absorbed MLA decode on the local heads) exactly."""
-    import tempfile
-
     model = tiny_model(attention, moe, **over)
     ids = prompt(B=2, T=11)
     with torch.no_grad():
         reference = model(input_ids=ids).logits
         tokens = model.generate(ids, max_new_tokens=6, do_sample=False)
-    with tempfile.TemporaryDirectory() as tmp:
-        results = run_tensor_parallel(model, Path(tmp), ids)
+    results = run_two_processes(model, tmp_path, ids)
     names = dict(model.named_parameters())
     sharded = [(name, dim) for name, dim in TP_SHARDED if name in names]
     sharded += [(f"model.layers.3.self_attn.{p}_proj.weight", 0) for p in "qkv" if attention == "gqa"]
@@ -305,6 +400,25 @@ def test_tensor_parallel_two_processes_equal_one(attention, moe, over):
         torch.testing.assert_close(r["logits"], reference, rtol=1e-5, atol=1e-5)
         assert torch.equal(r["tokens"], tokens)
 
+
+
+@pytest.mark.slow  # two torchrun processes
+def test_pipeline_parallel_two_stages_equal_one(tmp_path):
+    """transformers' pipeline parallelism (DistributedConfig(pp_size=2)) splits the decoder layers in two stages (the
+    first holds two KDA layers, the second a KDA and the MLA layer); logits and cached greedy tokens equal the
+    one-process model."""
+    model = tiny_model("mla", True, q_lora_rank=12)
+    ids = prompt(B=2, T=11)
+    with torch.no_grad():
+        reference = model(input_ids=ids).logits
+        tokens = model.generate(ids, max_new_tokens=6, do_sample=False)
+    results = run_two_processes(model, tmp_path, ids, mode="pp")
+    identity = "PipelineIdentityLayer"
+    assert [name == identity for name in results[0]["stage"]] == [False, False, True, True]
+    assert [name == identity for name in results[1]["stage"]] == [True, True, False, False]
+    for r in results:
+        torch.testing.assert_close(r["logits"], reference, rtol=1e-5, atol=1e-6)
+        assert torch.equal(r["tokens"], tokens)
 
 # --------------------------------------------------------------------------------------------------
 # Sequence and token classification heads, through the Auto classes from a saved folder
@@ -393,7 +507,7 @@ def test_classification_heads_load_as_remote_code_in_a_fresh_process(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["KDAHybridForSequenceClassification", "KDAHybridForTokenClassification"]
 
-if __name__ == "__main__":  # the torchrun worker of the tensor-parallel test
+if __name__ == "__main__":  # the torchrun worker of the tensor- and pipeline-parallel tests
     import sys
 
-    _tp_worker(sys.argv[1])
+    _distributed_worker(sys.argv[1], sys.argv[2])

@@ -58,12 +58,16 @@ def _plain_weight(module: nn.Module, kind: type) -> torch.Tensor | None:
     module's forward. That is only the module's own function when nothing changes it: the module is exactly
     `kind` (not a peft LoRA layer, a quantised replacement or a parametrized / FSDP subclass), its weight a plain
     Parameter (not a torchao quantised tensor) on a real device (not meta), and no hook runs around its forward
-    (accelerate's offload hooks bring the weight in only inside the forward).
+    other than accelerate's device alignment of resident weights (its offload hooks bring the weight in only
+    inside the forward: the weight outside is on meta).
 
     Tensor parallelism: a weight sharded along its output rows (a DTensor placed Shard(0): transformers' colwise
     Linear, the KDA convs' channel shards) gives this process's rows, which is what the module's forward computes
     on a replicated input (the heads this process holds)."""
-    if type(module) is not kind or getattr(module, "_hf_hook", None) is not None:
+    if type(module) is not kind:
+        return None
+    hook = getattr(module, "_hf_hook", None)
+    if hook is not None and not _keeps_weights_resident(hook):
         return None
     if module._forward_hooks or module._forward_pre_hooks:
         return None
@@ -72,17 +76,27 @@ def _plain_weight(module: nn.Module, kind: type) -> torch.Tensor | None:
         return weight.to_local()
     if type(weight) is not nn.Parameter or weight.device.type == "meta":
         return None
-    if "forward" in module.__dict__:  # forward replaced on the instance (a wrapper we cannot see through)
+    if hook is None and "forward" in module.__dict__:  # forward replaced on the instance: a wrapper we cannot read
         return None
     return weight
 
 
+def _keeps_weights_resident(hook) -> bool:
+    """accelerate hooks that only move inputs and outputs between devices (dispatch without offload)."""
+    kind = type(hook).__name__
+    if kind == "SequentialHook":
+        return all(_keeps_weights_resident(h) for h in hook.hooks)
+    return kind == "AlignDevicesHook" and not hook.offload
+
+
 def _is_row_sharded(weight: torch.Tensor) -> bool:
-    if not (torch.distributed.is_available() and isinstance(weight, torch.distributed.tensor.DTensor)):
+    """A DTensor placed Shard(0) (none exists unless torch.distributed.tensor was imported)."""
+    tensor_module = getattr(torch.distributed, "tensor", None) if torch.distributed.is_available() else None
+    dtensor = getattr(tensor_module, "DTensor", None)
+    if dtensor is None or not isinstance(weight, dtensor):
         return False
     placements = weight.placements
-    return len(placements) == 1 and isinstance(placements[0], torch.distributed.tensor.Shard) and \
-        placements[0].dim == 0
+    return len(placements) == 1 and isinstance(placements[0], tensor_module.Shard) and placements[0].dim == 0
 
 
 # ------------------------------------------------------------------------------------------------------

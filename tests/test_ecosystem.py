@@ -155,21 +155,30 @@ def test_from_pretrained_disk_offload_equals_in_memory(attention, moe, tmp_path)
     assert_same_outputs(model, reference, prompt(B=2, T=9))
 
 
-@pytest.mark.parametrize("how", ["cpu_offload", "disk_offload"])
+@pytest.mark.parametrize("how", ["cpu_offload", "disk_offload", "resident"])
 def test_accelerate_offload_utilities(how, tmp_path):
-    """Every parameter on meta, brought in by accelerate's hooks only inside its module's forward (the fp32-kept
-    A_log / dt_bias / router weights included)."""
+    """cpu_offload / disk_offload: every parameter on meta, brought in by accelerate's hooks only inside its
+    module's forward (the fp32-kept A_log / dt_bias / router weights included), so the fast paths compute
+    through the modules. "resident": hooks that only align devices (dispatch without offload) leave the weights
+    in place, and MLA decode keeps its absorbed path."""
     import accelerate
+    from accelerate.hooks import attach_align_device_hook
 
     reference = tiny_model("mla", True)
     model = copy.deepcopy(reference)
     if how == "cpu_offload":
         accelerate.cpu_offload(model, execution_device="cpu")
-    else:
+    elif how == "disk_offload":
         accelerate.disk_offload(model, tmp_path / "offload", execution_device="cpu")
-    attn = model.model.layers[0].self_attn
-    assert attn.A_log.device.type == "meta" and attn.q_conv1d.weight.device.type == "meta"
-    assert model.model.layers[3].self_attn.kv_b_proj.weight.device.type == "meta"
+    else:
+        attach_align_device_hook(model, execution_device="cpu")
+    attn, kv_b = model.model.layers[0].self_attn, model.model.layers[3].self_attn.kv_b_proj
+    assert kv_b._hf_hook is not None
+    if how == "resident":
+        assert _plain_weight(kv_b, nn.Linear) is kv_b.weight
+    else:
+        assert attn.A_log.device.type == "meta" and attn.q_conv1d.weight.device.type == "meta"
+        assert kv_b.weight.device.type == "meta" and _plain_weight(kv_b, nn.Linear) is None
     assert_same_outputs(model, reference, prompt(B=2, T=9))
 
 

@@ -38,6 +38,48 @@ class KDAHybridConfig(PretrainedConfig):
 
     model_type = "kda_hybrid"
     keys_to_ignore_at_inference = ["past_key_values", "cache"]
+    # Tensor parallelism (transformers' styles; docs/ecosystem.md): every layer kind splits by heads or by
+    # hidden units, and each block ends in one rowwise all-reduce. KDA and attention layers are both `self_attn`.
+    # KDA: q/k/v, the gates' second halves (f_b, g_b), beta (b_proj) colwise by head; the depthwise convs and the
+    # per-head A_log [1, 1, H, 1] / dt_bias [H * K] sharded on their head dim (a parameter entry shards only,
+    # colwise shards dim ndim - 2, embedding_rowwise dim 0); `self_attn` runs with local parameters so A_log /
+    # dt_bias read as this process's heads; o_norm (shared by heads) replicated, its gradient summed.
+    # MLA: q (or q_b) and kv_b colwise by head, the latent projection replicated (mla_kv_a_proj sums the gradient
+    # of its shared rope part). GQA: q/k/v colwise (num_key_value_heads must divide by the TP size). MLP and every
+    # expert: gate/up (w1/w3) colwise, down (w2) rowwise; the router replicated.
+    base_model_tp_plan = {
+        "layers.*.self_attn": "local_params",
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.q_conv1d.weight": "embedding_rowwise",
+        "layers.*.self_attn.k_conv1d.weight": "embedding_rowwise",
+        "layers.*.self_attn.v_conv1d.weight": "embedding_rowwise",
+        "layers.*.self_attn.A_log": "colwise",
+        "layers.*.self_attn.dt_bias": "colwise",
+        "layers.*.self_attn.f_b_proj": "colwise",
+        "layers.*.self_attn.g_b_proj": "colwise",
+        "layers.*.self_attn.b_proj": "colwise",
+        "layers.*.self_attn.o_norm": "replicated_with_grad_allreduce",
+        "layers.*.self_attn.q_b_proj": "colwise",
+        "layers.*.self_attn.kv_a_proj_with_mqa": "mla_kv_a_proj",
+        "layers.*.self_attn.kv_b_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+        "layers.*.block_sparse_moe.shared_experts.gate_proj": "colwise",
+        "layers.*.block_sparse_moe.shared_experts.up_proj": "colwise",
+        "layers.*.block_sparse_moe.shared_experts.down_proj": "rowwise",
+        "layers.*.block_sparse_moe.experts.*.w1": "colwise",
+        "layers.*.block_sparse_moe.experts.*.w3": "colwise",
+        "layers.*.block_sparse_moe.experts.*.w2": "rowwise",
+    }
+    base_model_pp_plan = {
+        "embed_tokens": (["input_ids"], ["inputs_embeds"]),
+        "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
+        "norm": (["hidden_states"], ["hidden_states"]),
+    }
 
     def __init__(
         self,

@@ -76,6 +76,54 @@ def _keep_fp32(module: nn.Module, names: tuple[str, ...]):
             p.data = p.data.float()
 
 
+def _plain_weight(module: nn.Module, kind: type) -> torch.Tensor | None:
+    """`module.weight` when reading it directly computes what `module(x)` computes, else None.
+
+    The fast paths below (MLA weight absorption, the KDA convs as multiply-adds) read a weight outside the
+    module's forward. That is only the module's own function when nothing changes it: the module is exactly
+    `kind` (not a peft LoRA layer, a quantised replacement or a parametrized / FSDP subclass), its weight a plain
+    Parameter (not a torchao quantised tensor) on a real device (not meta), and no hook runs around its forward
+    other than accelerate's device alignment of resident weights (its offload hooks bring the weight in only
+    inside the forward: the weight outside is on meta).
+
+    Tensor parallelism: a weight sharded along its output rows (a DTensor placed Shard(0): transformers' colwise
+    Linear, the KDA convs' channel shards) gives this process's rows, which is what the module's forward computes
+    on a replicated input (the heads this process holds)."""
+    if type(module) is not kind:
+        return None
+    hook = getattr(module, "_hf_hook", None)
+    if hook is not None and not _keeps_weights_resident(hook):
+        return None
+    if module._forward_hooks or module._forward_pre_hooks:
+        return None
+    weight = module.weight
+    if _is_row_sharded(weight):
+        return weight.to_local()
+    if type(weight) is not nn.Parameter or weight.device.type == "meta":
+        return None
+    if hook is None and "forward" in module.__dict__:  # forward replaced on the instance: a wrapper we cannot read
+        return None
+    return weight
+
+
+def _keeps_weights_resident(hook) -> bool:
+    """accelerate hooks that only move inputs and outputs between devices (dispatch without offload)."""
+    kind = type(hook).__name__
+    if kind == "SequentialHook":
+        return all(_keeps_weights_resident(h) for h in hook.hooks)
+    return kind == "AlignDevicesHook" and not hook.offload
+
+
+def _is_row_sharded(weight: torch.Tensor) -> bool:
+    """A DTensor placed Shard(0) (none exists unless torch.distributed.tensor was imported)."""
+    tensor_module = getattr(torch.distributed, "tensor", None) if torch.distributed.is_available() else None
+    dtensor = getattr(tensor_module, "DTensor", None)
+    if dtensor is None or not isinstance(weight, dtensor):
+        return False
+    placements = weight.placements
+    return len(placements) == 1 and isinstance(placements[0], tensor_module.Shard) and placements[0].dim == 0
+
+
 # ------------------------------------------------------------------------------------------------------
 # KDA
 # ------------------------------------------------------------------------------------------------------
@@ -140,11 +188,14 @@ class KDAHybridDeltaAttention(nn.Module):
 
     def _conv(self, conv: nn.Conv1d, x: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
         """Causal depthwise conv + SiLU. x: [B, C, T], state: [B, C, kernel - 1] (the inputs before x)."""
-        full = torch.cat((state.to(x.dtype), x), dim=-1)
+        full = torch.cat((state.to(x.dtype), x), dim=-1)  # [B, C, kernel - 1 + T]
+        weight = _plain_weight(conv, nn.Conv1d)
+        if weight is None:  # wrapped, hooked or quantised conv: its own forward (no padding: T outputs)
+            return F.silu(conv(full))
         if x.shape[-1] <= SMALL_CONV_TOKENS:  # decode: a multiply-add beats a convolution call 10x on CPU
             windows = full.unfold(-1, self.conv_size, 1)  # [B, C, T, kernel]
-            return F.silu((windows * conv.weight[:, None, 0, :]).sum(-1))
-        return F.silu(F.conv1d(full, conv.weight, groups=conv.weight.shape[0]))
+            return F.silu((windows * weight[:, None, 0, :]).sum(-1))
+        return F.silu(F.conv1d(full, weight, groups=weight.shape[0]))
 
     def _packed_conv(self, conv: nn.Conv1d, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """Causal depthwise conv + SiLU over packed documents: taps never reach into the previous document.
@@ -154,9 +205,19 @@ class KDAHybridDeltaAttention(nn.Module):
         depthwise conv1d's backward more still)."""
         N, width = x.shape[-1], self.conv_size
         pos = torch.arange(N, device=x.device)
-        since_start = pos - cu_seqlens[torch.searchsorted(cu_seqlens, pos, right=True) - 1]  # tokens before, same doc
+        doc = torch.searchsorted(cu_seqlens, pos, right=True) - 1  # document of each token
+        weight = _plain_weight(conv, nn.Conv1d)
+        if weight is None:
+            # wrapped, hooked or quantised conv: one call of its own forward over the documents laid out with
+            # (kernel - 1) zeros before each, so no window spans two documents; output t ends at input t
+            gap = width - 1
+            where = pos + gap * (doc + 1)  # each token's column in the gapped layout
+            spread = x.new_zeros(*x.shape[:-1], N + gap * (cu_seqlens.numel() - 1))
+            spread = spread.index_copy(-1, where, x)
+            return F.silu(conv(spread).index_select(-1, where - gap))
+        since_start = pos - cu_seqlens[doc]  # tokens before, same doc
         padded = F.pad(x, (width - 1, 0))
-        weight = conv.weight[:, 0, :, None]  # [C, kernel, 1]; tap j reads x[t - (kernel - 1 - j)]
+        weight = weight[:, 0, :, None]  # [C, kernel, 1]; tap j reads x[t - (kernel - 1 - j)]
         out = x * weight[:, width - 1]
         for j in range(width - 1):
             shift = width - 1 - j
@@ -176,7 +237,7 @@ class KDAHybridDeltaAttention(nn.Module):
         if cu_seqlens is not None:
             return self._forward_packed(hidden_states, cu_seqlens)
         B, T, _ = hidden_states.shape
-        H, K = self.num_heads, self.head_dim
+        K = self.head_dim  # heads: from the tensors (tensor parallelism gives each process a slice of them)
         perm = inv = None
         if token_mask is not None:
             perm, inv = _compaction(token_mask)
@@ -192,16 +253,16 @@ class KDAHybridDeltaAttention(nn.Module):
 
         has_state = cache_layer is not None and cache_layer.is_initialized
         width = self.conv_size - 1
+        conv_inputs = [proj(x).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj)]  # [B, C, T]
         if has_state:
             conv_before = cache_layer.conv_states
             state = cache_layer.recurrent_state
-        else:
-            conv_before = [x.new_zeros(B, H * K, width) for _ in range(3)]
+        else:  # C = H * K, or this process's heads under tensor parallelism
+            conv_before = [xi.new_zeros(B, xi.shape[1], width) for xi in conv_inputs]
             state = None
 
-        conv_inputs = [proj(x).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj)]  # [B, C, T]
         q, k, v = (
-            self._conv(conv, xi, s).transpose(1, 2).reshape(B, T, H, K)  # [B, T, H, K]
+            self._conv(conv, xi, s).transpose(1, 2).reshape(B, T, -1, K)  # [B, T, H, K]
             for conv, xi, s in zip((self.q_conv1d, self.k_conv1d, self.v_conv1d), conv_inputs, conv_before)
         )
         g, beta = self._gates(x)
@@ -211,7 +272,7 @@ class KDAHybridDeltaAttention(nn.Module):
 
         recording = cache_layer is not None and cache_layer.record_past
         if recording:
-            state_before = state.clone() if state is not None else q.new_zeros(B, H, K, K, dtype=torch.float32)
+            state_before = state.clone() if state is not None else q.new_zeros(B, q.shape[2], K, K, dtype=torch.float32)
             cache_layer.record(_Segment(
                 conv_before=[c.clone() for c in conv_before], state_before=state_before,
                 conv_inputs=[c.detach() for c in conv_inputs], q=q.detach(), k=k.detach(), v=v.detach(),
@@ -241,20 +302,20 @@ class KDAHybridDeltaAttention(nn.Module):
     def _gates(self, x):
         B, T, _ = x.shape
         g = F.softplus(self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float())  # [B, T, H*K]
-        g = -self.A_log.float().exp() * g.view(B, T, self.num_heads, self.head_dim)  # [B, T, H, K] log decay
+        g = -self.A_log.float().exp() * g.view(B, T, -1, self.head_dim)  # [B, T, H, K] log decay
         return g, torch.sigmoid(self.b_proj(x).float())  # beta [B, T, H]
 
     def _output(self, x, o):
         B, T, _ = x.shape
-        gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, self.num_heads, self.head_dim)
+        gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, -1, self.head_dim)
         return self.o_proj(self.o_norm(o, gate).reshape(B, T, -1))  # [B, T, H*V] -> [B, T, D]
 
     def _forward_packed(self, hidden_states, cu_seqlens):
         B, T, D = hidden_states.shape
-        H, K = self.num_heads, self.head_dim
+        K = self.head_dim
         x = hidden_states.reshape(1, B * T, D)  # documents never cross rows, so rows pack end to end
         q, k, v = (
-            self._packed_conv(conv, proj(x).transpose(1, 2), cu_seqlens).transpose(1, 2).reshape(1, B * T, H, K)
+            self._packed_conv(conv, proj(x).transpose(1, 2), cu_seqlens).transpose(1, 2).reshape(1, B * T, -1, K)
             for proj, conv in ((self.q_proj, self.q_conv1d), (self.k_proj, self.k_conv1d), (self.v_proj, self.v_conv1d))
         )
         g, beta = self._gates(x)
@@ -358,6 +419,10 @@ class KDAHybridMLAttention(nn.Module):
                                                     no mask)        [chunk24-continuation]
     anything else: no cache, padding, 4-D masks,    "masked"        the reference (eager and sdpa agree:
     eager, dropout, more documents                                  test_mla_paths_equal_the_masked_reference)
+
+    "latent" reads kv_b_proj's weight directly, so it runs only on a plain nn.Linear weight; a wrapped kv_b_proj
+    (unmerged LoRA, an offload hook, a quantised Linear) takes "continuation" (no mask) or "masked" instead, through
+    the module (test_ecosystem.py: decode == full forward under LoRA, offload and quantisation).
     """
 
     def __init__(self, config: KDAHybridConfig, layer_idx: int):
@@ -399,7 +464,7 @@ class KDAHybridMLAttention(nn.Module):
             q = self.q_proj(hidden_states)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
-        q = q.view(B, T, self.num_heads, self.qk_head_dim).transpose(1, 2)  # [B, H, T, Dqk]
+        q = q.view(B, T, -1, self.qk_head_dim).transpose(1, 2)  # [B, H, T, Dqk]; H: this process's heads
         latent, k_rot = self.kv_a_proj_with_mqa(hidden_states).split([self.kv_lora_rank, self.qk_rope_head_dim], -1)
         latent = self.kv_a_layernorm(latent).unsqueeze(1)  # [B, 1, T, r]
         k_rot = k_rot.unsqueeze(1)  # [B, 1, T, rope]
@@ -407,10 +472,15 @@ class KDAHybridMLAttention(nn.Module):
             latent, k_rot = cache_layer.update(latent, k_rot)
         Tk = latent.shape[2]
         if path == "latent":
-            return self._absorbed(q, latent, k_rot, attention_mask), None
-        kv = self.kv_b_proj(latent.squeeze(1)).view(B, Tk, self.num_heads, -1).transpose(1, 2)
+            w = _plain_weight(self.kv_b_proj, nn.Linear)
+            if w is not None:
+                return self._absorbed(q, latent, k_rot, attention_mask, w), None
+            # a wrapped kv_b_proj (LoRA, offload hook, quantised): expand the latent through the module instead; no
+            # mask means no padding and every cached key visible, which continuation attention computes
+            path = "continuation" if attention_mask is None else "masked"
+        kv = self.kv_b_proj(latent.squeeze(1)).view(B, Tk, -1, self.qk_nope_head_dim + self.v_head_dim).transpose(1, 2)
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)  # [B, H, Tk, .]
-        k = torch.cat((k_nope, k_rot.expand(-1, self.num_heads, -1, -1)), dim=-1)
+        k = torch.cat((k_nope, k_rot.expand(-1, q.shape[1], -1, -1)), dim=-1)
         pad = self.qk_head_dim - self.v_head_dim
         if pad > 0 and (path != "masked" or self.config._attn_implementation == "sdpa"):
             # PyTorch's fused (flash) SDPA needs equal q/k and v head dims; otherwise it falls back to the math
@@ -428,14 +498,15 @@ class KDAHybridMLAttention(nn.Module):
             )
         return self.o_proj(out[..., : self.v_head_dim].reshape(B, T, -1)), weights if output_attentions else None
 
-    def _absorbed(self, q, latent, k_rot, attention_mask):
+    def _absorbed(self, q, latent, k_rot, attention_mask, weight):
         """Decode against the cached latent without expanding it: kv_b_proj's key half is folded into the
         query and its value half applied after attention. Per step this costs H * Tk * (r + rope) instead of
         Tk * r * H * (nope + v) for re-expanding every cached token (128x less at 4K context for Kimi-48B).
-        q [B, H, T, nope + rope], latent [B, 1, Tk, r], k_rot [B, 1, Tk, rope]."""
+        q [B, H, T, nope + rope], latent [B, 1, Tk, r], k_rot [B, 1, Tk, rope]; weight: kv_b_proj's plain
+        [H * (nope + v), r] weight (H: the heads this process holds)."""
         B, Hq, T, _ = q.shape
         Tk = latent.shape[2]
-        w = self.kv_b_proj.weight.view(Hq, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        w = weight.view(Hq, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         w_k, w_v = w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]  # [H, nope, r], [H, v, r]
         q_nope, q_rope = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         q_lat = torch.einsum("bhtn,hnr->bhtr", q_nope, w_k)

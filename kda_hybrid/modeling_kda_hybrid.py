@@ -14,7 +14,11 @@ import torch
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.masking_utils import create_causal_mask
-from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_layers import (
+    GenericForSequenceClassification,
+    GenericForTokenClassification,
+    GradientCheckpointingLayer,
+)
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.utils import can_return_tuple, logging
 
@@ -103,7 +107,10 @@ class KDAHybridPreTrainedModel(PreTrainedModel):
             module = type(self).__module__.rsplit(".", 1)[-1]
             self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}),
                                     "AutoModel": f"{module}.KDAHybridModel",
-                                    "AutoModelForCausalLM": f"{module}.KDAHybridForCausalLM"}
+                                    "AutoModelForCausalLM": f"{module}.KDAHybridForCausalLM",
+                                    "AutoModelForSequenceClassification":
+                                        f"{module}.KDAHybridForSequenceClassification",
+                                    "AutoModelForTokenClassification": f"{module}.KDAHybridForTokenClassification"}
         super().save_pretrained(save_directory, is_main_process=is_main_process, **kwargs)
         if is_main_process:
             write_model_card(self.config, save_directory)  # README.md; a card the user wrote is kept
@@ -408,6 +415,8 @@ def _real_tokens_from_4d_mask(mask: torch.Tensor, B: int, T: int, past: int) -> 
 
 class KDAHybridForCausalLM(KDAHybridPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}  # the base model's plan is in KDAHybridConfig
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
 
     def __init__(self, config: KDAHybridConfig):
         super().__init__(config)
@@ -503,4 +512,45 @@ class KDAHybridForCausalLM(KDAHybridPreTrainedModel, GenerationMixin):
                                       hidden_states=outputs.hidden_states, attentions=outputs.attentions)
 
 
-__all__ = ["KDAHybridPreTrainedModel", "KDAHybridModel", "KDAHybridForCausalLM"]
+# ------------------------------------------------------------------------------------------------------
+# Classification heads
+# ------------------------------------------------------------------------------------------------------
+
+
+class KDAHybridForSequenceClassification(GenericForSequenceClassification, KDAHybridPreTrainedModel):
+    """The decoder + a linear `score` head read at each row's last non-padding token (transformers' generic head:
+    the rightmost token that is not `pad_token_id`, so left and right padding both work; a batch of more than
+    one row needs `pad_token_id`)."""
+
+    def __init__(self, config: KDAHybridConfig):
+        # the generic head builds its body with AutoModel.from_config, which a remote-code config cannot reach
+        # without trust_remote_code: build this package's decoder directly
+        KDAHybridPreTrainedModel.__init__(self, config)
+        self.num_labels = config.num_labels
+        self.model = KDAHybridModel(config)
+        self.score = nn.Linear(config.hidden_size, self.num_labels, bias=False)
+        self.post_init()
+
+
+class KDAHybridForTokenClassification(GenericForTokenClassification, KDAHybridPreTrainedModel):
+    """The decoder + dropout + a linear `score` head on every token (transformers' generic head; dropout
+    `config.classifier_dropout`, default 0.1)."""
+
+    def __init__(self, config: KDAHybridConfig):
+        KDAHybridPreTrainedModel.__init__(self, config)
+        self.num_labels = config.num_labels
+        self.model = KDAHybridModel(config)
+        dropout = getattr(config, "classifier_dropout", None)
+        self.dropout = nn.Dropout(0.1 if dropout is None else dropout)
+        self.score = nn.Linear(config.hidden_size, config.num_labels,
+                               bias=getattr(config, "token_classification_bias", True))
+        self.post_init()
+
+
+__all__ = [
+    "KDAHybridPreTrainedModel",
+    "KDAHybridModel",
+    "KDAHybridForCausalLM",
+    "KDAHybridForSequenceClassification",
+    "KDAHybridForTokenClassification",
+]

@@ -200,6 +200,8 @@ def test_saved_folder_is_self_contained(saved):
         "AutoConfig": "configuration_kda_hybrid.KDAHybridConfig",
         "AutoModel": "modeling_kda_hybrid.KDAHybridModel",
         "AutoModelForCausalLM": "modeling_kda_hybrid.KDAHybridForCausalLM",
+        "AutoModelForSequenceClassification": "modeling_kda_hybrid.KDAHybridForSequenceClassification",
+        "AutoModelForTokenClassification": "modeling_kda_hybrid.KDAHybridForTokenClassification",
     }
     required = {"configuration_kda_hybrid.py", "modeling_kda_hybrid.py", "cache_kda_hybrid.py", "kda_ops.py",
                 "kda_torch.py"} | ({"kda_triton.py"} if (PACKAGE_DIR / "kda_triton.py").exists() else set())

@@ -16,6 +16,10 @@ _KIMI_ONLY_KEYS = (
 )
 
 
+# RoPE variants of transformers' ROPE_INIT_FUNCTIONS whose inverse frequencies are fixed at construction
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
 def _fail(name, expected, got):
     raise ValueError(f"KDAHybridConfig: {name} must be {expected}, got {got!r}")
 
@@ -34,6 +38,48 @@ class KDAHybridConfig(PretrainedConfig):
 
     model_type = "kda_hybrid"
     keys_to_ignore_at_inference = ["past_key_values", "cache"]
+    # Tensor parallelism (transformers' styles; docs/ecosystem.md): every layer kind splits by heads or by
+    # hidden units, and each block ends in one rowwise all-reduce. KDA and attention layers are both `self_attn`.
+    # KDA: q/k/v, the gates' second halves (f_b, g_b), beta (b_proj) colwise by head; the depthwise convs and the
+    # per-head A_log [1, 1, H, 1] / dt_bias [H * K] sharded on their head dim (a parameter entry shards only,
+    # colwise shards dim ndim - 2, embedding_rowwise dim 0); `self_attn` runs with local parameters so A_log /
+    # dt_bias read as this process's heads; o_norm (shared by heads) replicated, its gradient summed.
+    # MLA: q (or q_b) and kv_b colwise by head, the latent projection replicated (mla_kv_a_proj sums the gradient
+    # of its shared rope part). GQA: q/k/v colwise (num_key_value_heads must divide by the TP size). MLP and every
+    # expert: gate/up (w1/w3) colwise, down (w2) rowwise; the router replicated.
+    base_model_tp_plan = {
+        "layers.*.self_attn": "local_params",
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.q_conv1d.weight": "embedding_rowwise",
+        "layers.*.self_attn.k_conv1d.weight": "embedding_rowwise",
+        "layers.*.self_attn.v_conv1d.weight": "embedding_rowwise",
+        "layers.*.self_attn.A_log": "colwise",
+        "layers.*.self_attn.dt_bias": "colwise",
+        "layers.*.self_attn.f_b_proj": "colwise",
+        "layers.*.self_attn.g_b_proj": "colwise",
+        "layers.*.self_attn.b_proj": "colwise",
+        "layers.*.self_attn.o_norm": "replicated_with_grad_allreduce",
+        "layers.*.self_attn.q_b_proj": "colwise",
+        "layers.*.self_attn.kv_a_proj_with_mqa": "mla_kv_a_proj",
+        "layers.*.self_attn.kv_b_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+        "layers.*.block_sparse_moe.shared_experts.gate_proj": "colwise",
+        "layers.*.block_sparse_moe.shared_experts.up_proj": "colwise",
+        "layers.*.block_sparse_moe.shared_experts.down_proj": "rowwise",
+        "layers.*.block_sparse_moe.experts.*.w1": "colwise",
+        "layers.*.block_sparse_moe.experts.*.w3": "colwise",
+        "layers.*.block_sparse_moe.experts.*.w2": "rowwise",
+    }
+    base_model_pp_plan = {
+        "embed_tokens": (["input_ids"], ["inputs_embeds"]),
+        "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
+        "norm": (["hidden_states"], ["hidden_states"]),
+    }
 
     def __init__(
         self,
@@ -52,12 +98,16 @@ class KDAHybridConfig(PretrainedConfig):
         num_key_value_heads: int | None = None,  # GQA key/value heads (default: num_attention_heads)
         head_dim: int | None = None,  # GQA head dim (default: hidden_size // num_attention_heads)
         rope_theta: float = 10000.0,  # GQA RoPE base
+        rope_parameters: dict | None = None,  # GQA RoPE in transformers' form ({"rope_type": "llama3", ...})
+        attention_qk_norm: bool = False,  # GQA: RMSNorm over each head's query and key before RoPE (Qwen3)
+        attention_out_bias: bool | None = None,  # bias on the attention o_proj (None: as attention_bias)
         q_lora_rank: int | None = None,  # MLA low-rank query (None: one q_proj)
         kv_lora_rank: int = 512,  # MLA compressed latent width (cached)
         qk_nope_head_dim: int = 128,  # MLA per-head key/query part from the latent
         qk_rope_head_dim: int = 64,  # MLA shared key part (cached; not rotated under NoPE)
         v_head_dim: int = 128,  # MLA value head dim
-        attention_bias: bool = False,  # bias on attention projections
+        attention_bias: bool = False,  # bias on the full-attention projections
+        linear_attention_bias: bool = False,  # bias on the KDA q/k/v projections (from Qwen2-style sources)
         attention_dropout: float = 0.0,
         # --- MLP / MoE ---
         num_experts: int | None = None,  # routed experts; None or 0: dense MLP everywhere
@@ -136,6 +186,14 @@ class KDAHybridConfig(PretrainedConfig):
         self.num_key_value_heads = num_attention_heads if num_key_value_heads is None else num_key_value_heads
         self.head_dim = hidden_size // num_attention_heads if head_dim is None else head_dim
         self.rope_theta = rope_theta
+        # transformers standardises this dict (adds rope_type and rope_theta) in PretrainedConfig.__init__ and its
+        # ROPE_INIT_FUNCTIONS read it, so scaled RoPE (llama3, yarn, linear) is computed exactly as in the source
+        self.rope_parameters = dict(rope_parameters) if rope_parameters is not None else None
+        if self.rope_parameters is not None and "rope_theta" in self.rope_parameters:
+            self.rope_theta = self.rope_parameters["rope_theta"]  # one base: the dict's, as transformers reads it
+        self.attention_qk_norm = attention_qk_norm
+        self.attention_out_bias = attention_bias if attention_out_bias is None else attention_out_bias
+        self.linear_attention_bias = linear_attention_bias
         self.q_lora_rank = q_lora_rank
         self.kv_lora_rank = kv_lora_rank
         self.qk_nope_head_dim = qk_nope_head_dim
@@ -187,6 +245,16 @@ class KDAHybridConfig(PretrainedConfig):
                       self.num_attention_heads)
             if self.head_dim % 2:
                 _fail("head_dim", "even (RoPE rotates pairs)", self.head_dim)
+            if self.rope_parameters is not None:
+                rope_type = self.rope_parameters.get("rope_type", self.rope_parameters.get("type", "default"))
+                if rope_type not in STATIC_ROPE_TYPES:
+                    _fail("rope_parameters.rope_type", f"one of {STATIC_ROPE_TYPES} (RoPE whose frequencies do not "
+                          "depend on the sequence length)", rope_type)
+        for name in ("attention_bias", "attention_out_bias", "attention_qk_norm", "linear_attention_bias"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(name, "a bool", getattr(self, name))
+        if self.attention_type == "mla" and self.attention_qk_norm:
+            _fail("attention_qk_norm", "False with attention_type='mla' (a GQA option)", self.attention_qk_norm)
         else:
             for name in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
                 positive_int(name)

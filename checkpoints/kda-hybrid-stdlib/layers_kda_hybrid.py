@@ -3,7 +3,8 @@ dense SwiGLU and DeepSeek-V3-style MoE. Parameter names follow the original Kimi
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -44,11 +45,83 @@ class KDAHybridGatedRMSNorm(nn.Module):
         return (x32 * torch.sigmoid(gate.float())).to(x.dtype)
 
 
+@dataclass
+class KDALayerInputs:
+    """What every KDA layer of one forward receives; KDAHybridModel.forward builds it once per forward."""
+
+    token_mask: torch.Tensor | None = None  # [B, T] bool, False = padding; None: every token is real
+    cu_seqlens: torch.Tensor | None = None  # [N + 1] offsets of packed documents over the flattened B * T tokens
+
+
+ATTENTION_PATHS = ("masked", "latent", "continuation", "packed")
+
+
+@dataclass
+class AttentionLayerInputs:
+    """What every full-attention layer of one forward receives; KDAHybridModel.forward builds it once per
+    forward. `path` picks the attention computation (the table in KDAHybridMLAttention's docstring); GQA layers
+    take "masked" or "packed"."""
+
+    path: str = "masked"
+    mask: torch.Tensor | None = None  # [B, 1, T, past + T] bool or additive float (create_causal_mask), or None
+    cu_seqlens: torch.Tensor | None = None  # path "packed": document offsets over the flattened B * T tokens
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None  # GQA: RoPE (cos, sin) [B, T, head_dim]
+    output_attentions: bool = False  # return the attention weights where the path computes them
+
+
 def _keep_fp32(module: nn.Module, names: tuple[str, ...]):
     for name in names:
         p = getattr(module, name)
         if p.is_floating_point() and p.dtype != torch.float32:
             p.data = p.data.float()
+
+
+def _plain_weight(module: nn.Module, kind: type) -> torch.Tensor | None:
+    """`module.weight` when reading it directly computes what `module(x)` computes, else None.
+
+    The fast paths below (MLA weight absorption, the KDA convs as multiply-adds) read a weight outside the
+    module's forward. That is only the module's own function when nothing changes it: the module is exactly
+    `kind` (not a peft LoRA layer, a quantised replacement or a parametrized / FSDP subclass), its weight a plain
+    Parameter (not a torchao quantised tensor) on a real device (not meta), and no hook runs around its forward
+    other than accelerate's device alignment of resident weights (its offload hooks bring the weight in only
+    inside the forward: the weight outside is on meta).
+
+    Tensor parallelism: a weight sharded along its output rows (a DTensor placed Shard(0): transformers' colwise
+    Linear, the KDA convs' channel shards) gives this process's rows, which is what the module's forward computes
+    on a replicated input (the heads this process holds)."""
+    if type(module) is not kind:
+        return None
+    hook = getattr(module, "_hf_hook", None)
+    if hook is not None and not _keeps_weights_resident(hook):
+        return None
+    if module._forward_hooks or module._forward_pre_hooks:
+        return None
+    weight = module.weight
+    if _is_row_sharded(weight):
+        return weight.to_local()
+    if type(weight) is not nn.Parameter or weight.device.type == "meta":
+        return None
+    if hook is None and "forward" in module.__dict__:  # forward replaced on the instance: a wrapper we cannot read
+        return None
+    return weight
+
+
+def _keeps_weights_resident(hook) -> bool:
+    """accelerate hooks that only move inputs and outputs between devices (dispatch without offload)."""
+    kind = type(hook).__name__
+    if kind == "SequentialHook":
+        return all(_keeps_weights_resident(h) for h in hook.hooks)
+    return kind == "AlignDevicesHook" and not hook.offload
+
+
+def _is_row_sharded(weight: torch.Tensor) -> bool:
+    """A DTensor placed Shard(0) (none exists unless torch.distributed.tensor was imported)."""
+    tensor_module = getattr(torch.distributed, "tensor", None) if torch.distributed.is_available() else None
+    dtensor = getattr(tensor_module, "DTensor", None)
+    if dtensor is None or not isinstance(weight, dtensor):
+        return False
+    placements = weight.placements
+    return len(placements) == 1 and isinstance(placements[0], tensor_module.Shard) and placements[0].dim == 0
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -66,12 +139,12 @@ def _compaction(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def packed_cu_seqlens(position_ids: torch.Tensor) -> torch.Tensor | None:
     """Offsets [N + 1] of the documents packed in `position_ids` ([B, T]; a document starts wherever the
     position does not follow the previous one, and at every row start), over the flattened B * T tokens.
-    None when each row holds a single document starting at position 0 (nothing is packed)."""
-    first = position_ids[:, :1] - 1
-    starts = torch.diff(position_ids, prepend=first, dim=-1) != 1
-    starts[:, 0] = True
-    if int(starts.sum()) == position_ids.shape[0] and bool((position_ids[:, 0] == 0).all()):
+    None when no row restarts: each row is then one document whatever its first position (a row starting at 5
+    is a continuation, as transformers' find_packed_sequence_indices reads it)."""
+    restarts = torch.diff(position_ids, dim=-1) != 1  # [B, T - 1]
+    if not bool(restarts.any()):
         return None
+    starts = torch.cat((torch.ones_like(restarts[:, :1]), restarts), dim=1)  # every row starts a document
     idx = starts.flatten().nonzero().flatten()
     end = torch.tensor([position_ids.numel()], device=idx.device)
     return torch.cat((idx, end)).to(torch.int64)
@@ -91,9 +164,10 @@ class KDAHybridDeltaAttention(nn.Module):
         self.head_dim = K = config.linear_head_dim
         self.conv_size = config.linear_conv_kernel_size
         D = config.hidden_size
-        self.q_proj = nn.Linear(D, H * K, bias=False)
-        self.k_proj = nn.Linear(D, H * K, bias=False)
-        self.v_proj = nn.Linear(D, H * K, bias=False)
+        bias = config.linear_attention_bias
+        self.q_proj = nn.Linear(D, H * K, bias=bias)
+        self.k_proj = nn.Linear(D, H * K, bias=bias)
+        self.v_proj = nn.Linear(D, H * K, bias=bias)
         self.q_conv1d = nn.Conv1d(H * K, H * K, self.conv_size, groups=H * K, bias=False)
         self.k_conv1d = nn.Conv1d(H * K, H * K, self.conv_size, groups=H * K, bias=False)
         self.v_conv1d = nn.Conv1d(H * K, H * K, self.conv_size, groups=H * K, bias=False)
@@ -114,11 +188,14 @@ class KDAHybridDeltaAttention(nn.Module):
 
     def _conv(self, conv: nn.Conv1d, x: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
         """Causal depthwise conv + SiLU. x: [B, C, T], state: [B, C, kernel - 1] (the inputs before x)."""
-        full = torch.cat((state.to(x.dtype), x), dim=-1)
+        full = torch.cat((state.to(x.dtype), x), dim=-1)  # [B, C, kernel - 1 + T]
+        weight = _plain_weight(conv, nn.Conv1d)
+        if weight is None:  # wrapped, hooked or quantised conv: its own forward (no padding: T outputs)
+            return F.silu(conv(full))
         if x.shape[-1] <= SMALL_CONV_TOKENS:  # decode: a multiply-add beats a convolution call 10x on CPU
             windows = full.unfold(-1, self.conv_size, 1)  # [B, C, T, kernel]
-            return F.silu((windows * conv.weight[:, None, 0, :]).sum(-1))
-        return F.silu(F.conv1d(full, conv.weight, groups=conv.weight.shape[0]))
+            return F.silu((windows * weight[:, None, 0, :]).sum(-1))
+        return F.silu(F.conv1d(full, weight, groups=weight.shape[0]))
 
     def _packed_conv(self, conv: nn.Conv1d, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """Causal depthwise conv + SiLU over packed documents: taps never reach into the previous document.
@@ -128,13 +205,24 @@ class KDAHybridDeltaAttention(nn.Module):
         depthwise conv1d's backward more still)."""
         N, width = x.shape[-1], self.conv_size
         pos = torch.arange(N, device=x.device)
-        since_start = pos - cu_seqlens[torch.searchsorted(cu_seqlens, pos, right=True) - 1]  # tokens before, same doc
+        doc = torch.searchsorted(cu_seqlens, pos, right=True) - 1  # document of each token
+        weight = _plain_weight(conv, nn.Conv1d)
+        if weight is None:
+            # wrapped, hooked or quantised conv: one call of its own forward over the documents laid out with
+            # (kernel - 1) zeros before each, so no window spans two documents; output t ends at input t
+            gap = width - 1
+            where = pos + gap * (doc + 1)  # each token's column in the gapped layout
+            spread = x.new_zeros(*x.shape[:-1], N + gap * (cu_seqlens.numel() - 1))
+            spread = spread.index_copy(-1, where, x)
+            return F.silu(conv(spread).index_select(-1, where - gap))
+        since_start = pos - cu_seqlens[doc]  # tokens before, same doc
         padded = F.pad(x, (width - 1, 0))
-        weight = conv.weight[:, 0, :, None]  # [C, kernel, 1]; tap j reads x[t - (kernel - 1 - j)]
+        weight = weight[:, 0, :, None]  # [C, kernel, 1]; tap j reads x[t - (kernel - 1 - j)]
         out = x * weight[:, width - 1]
         for j in range(width - 1):
             shift = width - 1 - j
-            out = out + padded[..., j:j + N] * (since_start >= shift).to(x.dtype) * weight[:, j]
+            # selected, not multiplied by a 0/1 mask: nothing of the previous document, whatever its value
+            out = out + torch.where(since_start >= shift, padded[..., j:j + N], 0) * weight[:, j]
         return F.silu(out)
 
     def forward(
@@ -149,13 +237,15 @@ class KDAHybridDeltaAttention(nn.Module):
         if cu_seqlens is not None:
             return self._forward_packed(hidden_states, cu_seqlens)
         B, T, _ = hidden_states.shape
-        H, K = self.num_heads, self.head_dim
+        K = self.head_dim  # heads: from the tensors (tensor parallelism gives each process a slice of them)
         perm = inv = None
         if token_mask is not None:
             perm, inv = _compaction(token_mask)
-            hidden_states = _gather_tokens(hidden_states, perm)
             n_real = token_mask.sum(1)
             real = torch.arange(T, device=n_real.device) < n_real[:, None]  # [B, T] after compaction
+            # padding may hold anything (NaN, inf): selected away, never multiplied by 0, so that neither the
+            # chunked products nor the state (beta * v with beta = 0) can see it
+            hidden_states = torch.where(real[..., None], _gather_tokens(hidden_states, perm), 0)
         else:
             n_real = torch.full((B,), T, dtype=torch.long, device=hidden_states.device)
             real = None
@@ -163,26 +253,26 @@ class KDAHybridDeltaAttention(nn.Module):
 
         has_state = cache_layer is not None and cache_layer.is_initialized
         width = self.conv_size - 1
+        conv_inputs = [proj(x).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj)]  # [B, C, T]
         if has_state:
             conv_before = cache_layer.conv_states
             state = cache_layer.recurrent_state
-        else:
-            conv_before = [x.new_zeros(B, H * K, width) for _ in range(3)]
+        else:  # C = H * K, or this process's heads under tensor parallelism
+            conv_before = [xi.new_zeros(B, xi.shape[1], width) for xi in conv_inputs]
             state = None
 
-        conv_inputs = [proj(x).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj)]  # [B, C, T]
         q, k, v = (
-            self._conv(conv, xi, s).transpose(1, 2).reshape(B, T, H, K)  # [B, T, H, K]
+            self._conv(conv, xi, s).transpose(1, 2).reshape(B, T, -1, K)  # [B, T, H, K]
             for conv, xi, s in zip((self.q_conv1d, self.k_conv1d, self.v_conv1d), conv_inputs, conv_before)
         )
         g, beta = self._gates(x)
         if real is not None:  # padding (compacted to the tail) neither decays nor writes the state
-            g = g * real[..., None, None]
-            beta = beta * real[..., None]
+            g = torch.where(real[..., None, None], g, 0)
+            beta = torch.where(real[..., None], beta, 0)
 
         recording = cache_layer is not None and cache_layer.record_past
         if recording:
-            state_before = state.clone() if state is not None else q.new_zeros(B, H, K, K, dtype=torch.float32)
+            state_before = state.clone() if state is not None else q.new_zeros(B, q.shape[2], K, K, dtype=torch.float32)
             cache_layer.record(_Segment(
                 conv_before=[c.clone() for c in conv_before], state_before=state_before,
                 conv_inputs=[c.detach() for c in conv_inputs], q=q.detach(), k=k.detach(), v=v.detach(),
@@ -198,33 +288,34 @@ class KDAHybridDeltaAttention(nn.Module):
         if cache_layer is not None:
             if token_mask is None:  # every row ends on a real token: the last (kernel - 1) inputs, copied small
                 cache_layer.conv_states = [torch.cat((c, xi), -1)[..., -width:].clone() if T < width
-                                           else xi[..., -width:].contiguous() for c, xi in zip(conv_before, conv_inputs)]
+                                           else xi[..., -width:].contiguous()
+                                           for c, xi in zip(conv_before, conv_inputs)]
             else:
                 cache_layer.conv_states = [shift_conv_state(c, xi, n_real) for c, xi in zip(conv_before, conv_inputs)]
             cache_layer.recurrent_state = state
 
         o = self._output(x, o)
         if inv is not None:
-            o = _gather_tokens(o, inv) * token_mask[..., None]
+            o = torch.where(token_mask[..., None], _gather_tokens(o, inv), 0)
         return o
 
     def _gates(self, x):
         B, T, _ = x.shape
         g = F.softplus(self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float())  # [B, T, H*K]
-        g = -self.A_log.float().exp() * g.view(B, T, self.num_heads, self.head_dim)  # [B, T, H, K] log decay
+        g = -self.A_log.float().exp() * g.view(B, T, -1, self.head_dim)  # [B, T, H, K] log decay
         return g, torch.sigmoid(self.b_proj(x).float())  # beta [B, T, H]
 
     def _output(self, x, o):
         B, T, _ = x.shape
-        gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, self.num_heads, self.head_dim)
+        gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, -1, self.head_dim)
         return self.o_proj(self.o_norm(o, gate).reshape(B, T, -1))  # [B, T, H*V] -> [B, T, D]
 
     def _forward_packed(self, hidden_states, cu_seqlens):
         B, T, D = hidden_states.shape
-        H, K = self.num_heads, self.head_dim
+        K = self.head_dim
         x = hidden_states.reshape(1, B * T, D)  # documents never cross rows, so rows pack end to end
         q, k, v = (
-            self._packed_conv(conv, proj(x).transpose(1, 2), cu_seqlens).transpose(1, 2).reshape(1, B * T, H, K)
+            self._packed_conv(conv, proj(x).transpose(1, 2), cu_seqlens).transpose(1, 2).reshape(1, B * T, -1, K)
             for proj, conv in ((self.q_proj, self.q_conv1d), (self.k_proj, self.k_conv1d), (self.v_proj, self.v_conv1d))
         )
         g, beta = self._gates(x)
@@ -309,7 +400,30 @@ def _attention_interface(config) -> Callable:
 
 class KDAHybridMLAttention(nn.Module):
     """Multi-head latent attention without positional encoding (Kimi Linear, docs/architecture.md §3). The cache holds
-    the normalised latent and the shared key part, not per-head keys and values."""
+    the normalised latent and the shared key part, not per-head keys and values.
+
+    KDAHybridModel.forward picks one path per forward for every MLA layer (AttentionLayerInputs.path, decided
+    there and nowhere else). Each path computes the attention of "masked", the reference: transformers' attention
+    interface over the expanded keys and values with transformers' causal mask.
+
+    condition (KDAHybridModel._attention_inputs)    path            test proving it equal to "masked"
+    ---------------------------------------------   -------------   ---------------------------------------------
+    packed documents (position_ids restart in a     "packed"        test_packed_attention_per_document_equals_
+    row), sdpa, <= PACKED_ATTENTION_MAX_DOCS docs   (one fused      block_diagonal_mask
+                                                    SDPA per doc)
+    cache holds tokens, T <= ABSORB_MAX_QUERY, no   "latent"        test_mla_paths_equal_the_masked_reference,
+    weights asked under eager (mask None: no        (kv_b_proj      test_prefill_in_chunks_equals_one_prefill
+    padding, causal among the new tokens)           folded in q)    [chunk7-latent]
+    cache holds tokens, T > ABSORB_MAX_QUERY, sdpa, "continuation"  test_mla_paths_equal_the_masked_reference,
+    no padding anywhere, no attention dropout       (two SDPA,      test_prefill_in_chunks_equals_one_prefill
+                                                    no mask)        [chunk24-continuation]
+    anything else: no cache, padding, 4-D masks,    "masked"        the reference (eager and sdpa agree:
+    eager, dropout, more documents                                  test_mla_paths_equal_the_masked_reference)
+
+    "latent" reads kv_b_proj's weight directly, so it runs only on a plain nn.Linear weight; a wrapped kv_b_proj
+    (unmerged LoRA, an offload hook, a quantised Linear) takes "continuation" (no mask) or "masked" instead, through
+    the module (test_ecosystem.py: decode == full forward under LoRA, offload and quantisation).
+    """
 
     def __init__(self, config: KDAHybridConfig, layer_idx: int):
         super().__init__()
@@ -338,48 +452,61 @@ class KDAHybridMLAttention(nn.Module):
         self.o_proj = nn.Linear(Hq * self.v_head_dim, D, bias=config.attention_bias)
 
     def forward(self, hidden_states, attention_mask=None, cache_layer: KVLayerState | None = None,
-                cu_seqlens: torch.Tensor | None = None, **kwargs):
+                cu_seqlens: torch.Tensor | None = None, path: str = "masked", output_attentions: bool = False,
+                **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden_states [B, T, D] -> (output [B, T, D], attention weights [B, H, T, past + T] or None). `path` and
+        the inputs it needs come from AttentionLayerInputs (the table above); weights only from the "masked" path
+        under eager attention."""
+        if path not in ATTENTION_PATHS:
+            raise ValueError(f"MLA attention path must be one of {ATTENTION_PATHS}, got {path!r}")
         B, T, _ = hidden_states.shape
         if self.q_lora_rank is None:
             q = self.q_proj(hidden_states)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
-        q = q.view(B, T, self.num_heads, self.qk_head_dim).transpose(1, 2)  # [B, H, T, Dqk]
+        q = q.view(B, T, -1, self.qk_head_dim).transpose(1, 2)  # [B, H, T, Dqk]; H: this process's heads
         latent, k_rot = self.kv_a_proj_with_mqa(hidden_states).split([self.kv_lora_rank, self.qk_rope_head_dim], -1)
         latent = self.kv_a_layernorm(latent).unsqueeze(1)  # [B, 1, T, r]
         k_rot = k_rot.unsqueeze(1)  # [B, 1, T, rope]
         if cache_layer is not None:
             latent, k_rot = cache_layer.update(latent, k_rot)
         Tk = latent.shape[2]
-        if T <= ABSORB_MAX_QUERY and Tk > T:
-            return self._absorbed(q, latent, k_rot, attention_mask)
-        kv = self.kv_b_proj(latent.squeeze(1)).view(B, Tk, self.num_heads, -1).transpose(1, 2)
+        if path == "latent":
+            w = _plain_weight(self.kv_b_proj, nn.Linear)
+            if w is not None:
+                return self._absorbed(q, latent, k_rot, attention_mask, w), None
+            # a wrapped kv_b_proj (LoRA, offload hook, quantised): expand the latent through the module instead; no
+            # mask means no padding and every cached key visible, which continuation attention computes
+            path = "continuation" if attention_mask is None else "masked"
+        kv = self.kv_b_proj(latent.squeeze(1)).view(B, Tk, -1, self.qk_nope_head_dim + self.v_head_dim).transpose(1, 2)
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)  # [B, H, Tk, .]
-        k = torch.cat((k_nope, k_rot.expand(-1, self.num_heads, -1, -1)), dim=-1)
+        k = torch.cat((k_nope, k_rot.expand(-1, q.shape[1], -1, -1)), dim=-1)
         pad = self.qk_head_dim - self.v_head_dim
-        if pad > 0 and self.config._attn_implementation == "sdpa":
+        if pad > 0 and (path != "masked" or self.config._attn_implementation == "sdpa"):
             # PyTorch's fused (flash) SDPA needs equal q/k and v head dims; otherwise it falls back to the math
             # path that materialises T x T scores: 7.5x slower at T=4096 on CPU. Zero-padding v costs less.
             v = F.pad(v, (0, pad))
         dropout = self.config.attention_dropout if self.training else 0.0
-        if cu_seqlens is not None:  # packed documents, no cache (the model only passes this with sdpa)
+        weights = None
+        if path == "packed":  # packed documents, no cache
             out = packed_attention(q, k, v, cu_seqlens, self.scaling, dropout)
-        elif attention_mask is None and Tk > T and self.config._attn_implementation == "sdpa" and not dropout:
-            out = continuation_attention(q, k, v, self.scaling)  # chunked prefill on a cache, no padding
+        elif path == "continuation":  # a cache and no padding: every cached key visible, the new keys causally
+            out = continuation_attention(q, k, v, self.scaling)
         else:
-            out, _ = _attention_interface(self.config)(
+            out, weights = _attention_interface(self.config)(
                 self, q, k, v, attention_mask, dropout=dropout, scaling=self.scaling, **kwargs,
             )
-        return self.o_proj(out[..., : self.v_head_dim].reshape(B, T, -1))
+        return self.o_proj(out[..., : self.v_head_dim].reshape(B, T, -1)), weights if output_attentions else None
 
-    def _absorbed(self, q, latent, k_rot, attention_mask):
+    def _absorbed(self, q, latent, k_rot, attention_mask, weight):
         """Decode against the cached latent without expanding it: kv_b_proj's key half is folded into the
         query and its value half applied after attention. Per step this costs H * Tk * (r + rope) instead of
         Tk * r * H * (nope + v) for re-expanding every cached token (128x less at 4K context for Kimi-48B).
-        q [B, H, T, nope + rope], latent [B, 1, Tk, r], k_rot [B, 1, Tk, rope]."""
+        q [B, H, T, nope + rope], latent [B, 1, Tk, r], k_rot [B, 1, Tk, rope]; weight: kv_b_proj's plain
+        [H * (nope + v), r] weight (H: the heads this process holds)."""
         B, Hq, T, _ = q.shape
         Tk = latent.shape[2]
-        w = self.kv_b_proj.weight.view(Hq, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        w = weight.view(Hq, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         w_k, w_v = w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]  # [H, nope, r], [H, v, r]
         q_nope, q_rope = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         q_lat = torch.einsum("bhtn,hnr->bhtr", q_nope, w_k)
@@ -409,21 +536,41 @@ def _rotate_half(x):
 
 
 class KDAHybridRotaryEmbedding(nn.Module):
+    """RoPE of the GQA layers. Frequencies come from transformers' ROPE_INIT_FUNCTIONS for the config's
+    `rope_parameters` (default, linear, llama3, yarn), so a converted Llama 3 or Qwen model rotates exactly as its
+    source; `attention_scaling` (yarn's magnitude correction, 1 otherwise) multiplies cos and sin as there.
+    `inv_freq` is a non-persistent buffer (no checkpoint carries it): a model that transformers materialises from the
+    meta device gets it back from `_init_weights`, which calls `compute_inv_freq` as this constructor does."""
+
     def __init__(self, config: KDAHybridConfig):
         super().__init__()
-        dim = config.head_dim
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        inv_freq, self.attention_scaling = self.compute_inv_freq(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @staticmethod
+    def compute_inv_freq(config: KDAHybridConfig, device=None) -> tuple[torch.Tensor, float]:
+        params = config.rope_parameters or {}
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "default":
+            dim = config.head_dim
+            arange = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float()
+            return 1.0 / (config.rope_theta ** (arange / dim)), 1.0
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device)
+        return inv_freq.float(), float(scaling)
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor):
         freqs = position_ids[..., None].float() * self.inv_freq.float().to(x.device)  # [B, T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
 
 
 class KDAHybridAttention(nn.Module):
-    """Grouped-query attention with RoPE (the option for small and Llama-derived models)."""
+    """Grouped-query attention with RoPE (the option for small and Llama-derived models): optional q/k/v and o
+    biases (Qwen2: q/k/v only), optional per-head RMSNorm of queries and keys before RoPE (Qwen3), a head_dim
+    that need not be hidden_size / heads."""
 
     def __init__(self, config: KDAHybridConfig, layer_idx: int):
         super().__init__()
@@ -439,14 +586,28 @@ class KDAHybridAttention(nn.Module):
         self.q_proj = nn.Linear(D, self.num_heads * self.head_dim, bias=config.attention_bias)
         self.k_proj = nn.Linear(D, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
         self.v_proj = nn.Linear(D, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, D, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, D, bias=config.attention_out_bias)
+        if config.attention_qk_norm:
+            self.q_norm = KDAHybridRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = KDAHybridRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
 
     def forward(self, hidden_states, attention_mask=None, cache_layer: KVLayerState | None = None,
-                position_embeddings=None, cu_seqlens: torch.Tensor | None = None, **kwargs):
+                position_embeddings=None, cu_seqlens: torch.Tensor | None = None, path: str = "masked",
+                output_attentions: bool = False, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden_states [B, T, D] -> (output [B, T, D], attention weights [B, H, T, past + T] or None). `path`:
+        "masked" (transformers' attention interface with `attention_mask`) or "packed" (one fused SDPA per document
+        of `cu_seqlens`, test_packed_attention_per_document_equals_block_diagonal_mask proves them equal)."""
+        if path not in ("masked", "packed"):
+            raise ValueError(f"GQA attention takes path 'masked' or 'packed', got {path!r}")
         B, T, _ = hidden_states.shape
-        q = self.q_proj(hidden_states).view(B, T, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(hidden_states).view(B, T, -1, self.head_dim).transpose(1, 2)
-        v = self.v_proj(hidden_states).view(B, T, -1, self.head_dim).transpose(1, 2)
+        q = self.q_proj(hidden_states).view(B, T, -1, self.head_dim)  # [B, T, H, D]
+        k = self.k_proj(hidden_states).view(B, T, -1, self.head_dim)  # [B, T, H_kv, D]
+        v = self.v_proj(hidden_states).view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, H_kv, T, D]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         cos, sin = position_embeddings
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         q = q * cos + _rotate_half(q) * sin
@@ -454,13 +615,14 @@ class KDAHybridAttention(nn.Module):
         if cache_layer is not None:
             k, v = cache_layer.update(k, v)
         dropout = self.config.attention_dropout if self.training else 0.0
-        if cu_seqlens is not None:  # packed documents, no cache (the model only passes this with sdpa)
+        weights = None
+        if path == "packed":  # packed documents, no cache
             out = packed_attention(q, k, v, cu_seqlens, self.scaling, dropout)
         else:
-            out, _ = _attention_interface(self.config)(
+            out, weights = _attention_interface(self.config)(
                 self, q, k, v, attention_mask, dropout=dropout, scaling=self.scaling, **kwargs,
             )
-        return self.o_proj(out.reshape(B, T, -1))
+        return self.o_proj(out.reshape(B, T, -1)), weights if output_attentions else None
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ setup(
             "accelerate>=1.0",
             "matplotlib",  # training report and long-context plots
             "ruff",  # .ci/run lints with the config in pyproject.toml
+            "torchao>=0.18",  # int8 weight-only quantised decode (tests/test_ecosystem.py); pulls no torch of its own
         ],
         "bench": ["matplotlib", "psutil"],
     },

@@ -89,7 +89,8 @@ def samples(models: dict, folder: Path, names: list[str], max_new_tokens: int = 
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(folder)
-    out = ["# Samples", "", f"Greedy continuations, {max_new_tokens} new tokens each (`examples/distill_report.py`).", ""]
+    out = ["# Samples", "", f"Greedy continuations, {max_new_tokens} new tokens each (examples/distill_report.py).",
+           ""]
     for prompt in PROMPTS:
         ids = tok(prompt, return_tensors="pt").input_ids
         for name in names:

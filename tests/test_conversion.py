@@ -138,6 +138,12 @@ def leftovers(parent: Path):
     return sorted(p.name for p in parent.iterdir() if p.name.startswith("."))
 
 
+def snapshot(folder: Path) -> dict[str, bytes]:
+    """Every file of a folder tree with its bytes: equal snapshots mean nothing was touched."""
+    folder = Path(folder)
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
 # ---------------------------------------------------------------------------------------------------------
 # (a) The real 48B checkpoint's inventory, as meta tensors
 # ---------------------------------------------------------------------------------------------------------
@@ -417,7 +423,12 @@ def test_failure_mid_stream_keeps_existing_output(tmp_path, monkeypatch):
     (dst / "keep.txt").write_text("previous output")
     with pytest.raises(ConversionError, match="already exists"):
         convert(src, dst, progress=False)
+    with pytest.raises(ConversionError, match="only replaces an empty folder or one this tool wrote"):
+        convert(src, dst, overwrite=True, progress=False)  # not ours: never deleted
+    assert sorted(p.name for p in dst.iterdir()) == ["keep.txt"]
 
+    previous = convert(src, tmp_path / "previous", dtype="bfloat16", progress=False)
+    before = snapshot(previous)
     from kda_hybrid.conversion import checkpoint
 
     calls = []
@@ -431,8 +442,8 @@ def test_failure_mid_stream_keeps_existing_output(tmp_path, monkeypatch):
     original_add = checkpoint.ShardWriter.add
     monkeypatch.setattr(checkpoint.ShardWriter, "add", failing_add)
     with pytest.raises(OSError, match="disk full"):
-        convert(src, dst, overwrite=True, max_shard_size="2KB", progress=False)
-    assert sorted(p.name for p in dst.iterdir()) == ["keep.txt"] and leftovers(tmp_path) == []
+        convert(src, previous, overwrite=True, max_shard_size="2KB", progress=False)
+    assert snapshot(previous) == before and leftovers(tmp_path) == []
 
 
 def test_pickled_bin_is_refused(tmp_path):

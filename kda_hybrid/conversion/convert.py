@@ -1,5 +1,5 @@
 """Plan, then stream: validate the whole mapping from headers alone, then read one source shard at a time,
-write output shards as they fill, and publish the output folder with one rename at the end."""
+write output shards as they fill into a staging folder, and publish it atomically at the end (publish.py)."""
 
 from __future__ import annotations
 
@@ -8,20 +8,28 @@ import importlib.util
 import json
 import logging
 import shutil
-import tempfile
 from collections import Counter, defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
 import torch
 
 from .checkpoint import FolderSource, Header, MemorySink, MemorySource, ShardWriter, Source, name_list, parse_size
 from .configs import (
-    KDA_HYBRID, SOURCE_FORMATS, TARGET_FORMATS, TRANSFORMERS, detect_format, kda_hybrid_config,
-    kimi_linear_config, read_config, source_router_semantics, source_to_kimi_dict,
+    KDA_HYBRID,
+    SOURCE_FORMATS,
+    TARGET_FORMATS,
+    TRANSFORMERS,
+    detect_format,
+    kda_hybrid_config,
+    kimi_linear_config,
+    read_config,
+    source_router_semantics,
+    source_to_kimi_dict,
 )
 from .layout import ConversionError, Group, Rule, Spec, apply_rule, identity_groups, kimi_inventory, native_groups
+from .publish import MANIFEST, Staging, check_destination, check_free_space, check_paths, is_out_of_space, recover
 
 logger = logging.getLogger("kda_hybrid.conversion")
 
@@ -157,22 +165,31 @@ def convert(src, dst, *, source: str | None = None, target: str = KDA_HYBRID, dt
     router_weights_from_biased_scores: routing semantics written into our config; None picks what the
         source's reference code does (original Hub code: True; transformers: False; ours: as saved).
     Every source tensor must be consumed and every target tensor produced with the expected shape, else
-    ConversionError names them all. Output is written to a temporary sibling folder and renamed at the end,
-    so a failure leaves nothing behind. An existing `dst` is refused unless `overwrite`.
+    ConversionError names them all. Output is staged in a hidden sibling folder and swapped into place at the
+    end, so `dst` is at every instant absent, the old output or the complete new one, even if the run is killed
+    (docs/conversion.md, "Crash safety"); a rerun cleans up what a killed run left. An existing `dst` is refused
+    unless `overwrite`, and even then only an empty folder or an earlier output of this tool is replaced, never
+    the source, a folder inside it or a folder containing it.
     """
     src, dst = Path(src), Path(dst)
     if target not in TARGET_FORMATS:
         raise ConversionError(f"target: expected one of {TARGET_FORMATS}, got {target!r}")
     if source is not None and source not in SOURCE_FORMATS:
         raise ConversionError(f"source: expected one of {SOURCE_FORMATS}, got {source!r}")
+    for name, flag in (("overwrite", overwrite), ("progress", progress)):
+        if not isinstance(flag, bool):
+            raise ConversionError(f"{name}: expected True or False, got {flag!r}")
+    if router_weights_from_biased_scores is not None and not isinstance(router_weights_from_biased_scores, bool):
+        raise ConversionError("router_weights_from_biased_scores: expected True, False or None, got "
+                              f"{router_weights_from_biased_scores!r}")
     cast = _resolve_dtype(dtype)
     max_bytes = parse_size(max_shard_size)
     if not src.is_dir():
         raise ConversionError(f"{src}: not a folder")
-    if dst.exists() and not overwrite:
-        raise ConversionError(f"{dst} already exists; pass overwrite=True (--overwrite) to replace it")
-    if dst.resolve() == src.resolve() or src.resolve() in dst.resolve().parents:
-        raise ConversionError(f"{dst}: the output must not be the source folder or inside it")
+    dst_real = check_paths(src, dst)  # never the source, inside it or around it: before anything is touched
+    for line in recover(dst_real):  # what earlier killed runs left (only ours, only dead runs')
+        logger.warning("%s: %s", dst, line)
+    check_destination(src, dst, overwrite=overwrite)
 
     raw = read_config(src)
     reader = FolderSource(src)
@@ -201,23 +218,48 @@ def convert(src, dst, *, source: str | None = None, target: str = KDA_HYBRID, dt
                            "scores; this model was used with unbiased weights (transformers/vLLM). Outputs of the "
                            "original code will differ; transformers' native class matches.")
 
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".partial", dir=dst.parent))
+    carried = _files_to_carry(src, same_format=source_format == target)
+    code = _code_files() if target == KDA_HYBRID else []
+    needed = _output_bytes(plan) + sum(p.stat().st_size for p in [*carried, *code])
+    dst_real.parent.mkdir(parents=True, exist_ok=True)
+    check_free_space(dst_real, needed)
+
+    staging = Staging(dst_real, {"source": src.name, "source_format": source_format, "target": target,
+                                 "dtype": dtype_name})
     try:
-        tmp.chmod(0o755)  # mkdtemp makes it owner-only; the published folder gets the usual permissions
-        writer = ShardWriter(tmp, max_bytes)
+        writer = ShardWriter(staging.path, max_bytes)
         execute(plan, reader, writer, progress=progress)
         writer.close()
         if target == KDA_HYBRID:
-            _save_kda_hybrid_config(config, tmp)
+            _save_kda_hybrid_config(config, staging.path, code)
         else:
-            (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        _carry_files(src, tmp, same_format=source_format == target)
-        _publish(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+            (staging.path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        for path in carried:
+            if not (staging.path / path.name).exists():
+                shutil.copyfile(path, staging.path / path.name)
+        staging.publish(overwrite=overwrite)
+    except BaseException as err:
+        staging.discard()
+        if isinstance(err, Exception) and is_out_of_space(err):
+            free = shutil.disk_usage(dst_real.parent).free
+            raise ConversionError(f"{dst}: no space left on the device while writing: the output needs {needed:,} "
+                                  f"bytes, {free:,} bytes are free now (nothing was written)") from None
         raise
     return dst
+
+
+def _output_bytes(plan: Plan) -> int:
+    """Bytes the output will take: tensor data plus, per tensor, a generous allowance for its safetensors
+    header entry and index line (~150 bytes each in practice), plus config files."""
+    data = sum(_numel(spec.shape) * plan.out_dtypes[name].itemsize for name, spec in plan.inventory.items())
+    return data + 512 * len(plan.inventory) + 2**20
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
 
 
 def _main_dtype(plan: Plan) -> torch.dtype:
@@ -226,45 +268,35 @@ def _main_dtype(plan: Plan) -> torch.dtype:
     return counts.most_common(1)[0][0] if counts else torch.float32
 
 
-def _save_kda_hybrid_config(config, folder: Path) -> None:
-    """config.json plus the flat model code files, so the folder loads with trust_remote_code=True."""
+def _code_files() -> list[Path]:
+    """The flat model code files our output carries (the modeling module and everything it imports)."""
     if importlib.util.find_spec("kda_hybrid.modeling_kda_hybrid") is None:
-        logger.warning("kda_hybrid.modeling_kda_hybrid not found: writing config.json without model code")
-        config.save_pretrained(folder)
-        return
+        return []
     from transformers.dynamic_module_utils import get_relative_import_files
 
     modeling = importlib.import_module("kda_hybrid.modeling_kda_hybrid")
-    for file in [modeling.__file__, *get_relative_import_files(modeling.__file__)]:
-        shutil.copyfile(file, folder / Path(file).name)
+    return [Path(f) for f in [modeling.__file__, *get_relative_import_files(modeling.__file__)]]
+
+
+def _save_kda_hybrid_config(config, folder: Path, code: list[Path]) -> None:
+    """config.json plus the flat model code files, so the folder loads with trust_remote_code=True."""
+    if not code:
+        logger.warning("kda_hybrid.modeling_kda_hybrid not found: writing config.json without model code")
+        config.save_pretrained(folder)
+        return
+    for file in code:
+        shutil.copyfile(file, folder / file.name)
     auto_map = {"AutoConfig": "configuration_kda_hybrid.KDAHybridConfig",
                 "AutoModelForCausalLM": "modeling_kda_hybrid.KDAHybridForCausalLM"}
+    modeling = importlib.import_module("kda_hybrid.modeling_kda_hybrid")
     if hasattr(modeling, "KDAHybridModel"):
         auto_map["AutoModel"] = "modeling_kda_hybrid.KDAHybridModel"
     config.auto_map = auto_map
     config.save_pretrained(folder)
 
 
-def _carry_files(src: Path, dst: Path, *, same_format: bool) -> None:
+def _files_to_carry(src: Path, *, same_format: bool) -> list[Path]:
     carried = {p for pattern in _CARRIED for p in src.glob(pattern) if p.is_file()}
     if same_format:  # a re-shard or cast keeps the format's own code (e.g. the Hub's modeling_kimi.py)
         carried |= {p for p in src.glob("*.py") if p.is_file()}
-    for path in sorted(carried):
-        if not (dst / path.name).exists():
-            shutil.copyfile(path, dst / path.name)
-
-
-def _publish(tmp: Path, dst: Path) -> None:
-    """Rename the finished folder into place; an existing dst (overwrite) is moved aside first, then removed."""
-    if not dst.exists() and not dst.is_symlink():
-        tmp.rename(dst)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".old", dir=dst.parent))
-    aside = old / "previous"
-    dst.rename(aside)
-    try:
-        tmp.rename(dst)
-    except BaseException:
-        aside.rename(dst)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
+    return sorted(p for p in carried if p.name != MANIFEST)

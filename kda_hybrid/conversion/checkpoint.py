@@ -199,6 +199,12 @@ class MemorySink:
         return self.tensors
 
 
+def _save_file(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str]) -> None:
+    from safetensors.torch import save_file
+
+    save_file(tensors, path, metadata=metadata)
+
+
 class ShardWriter:
     """Buffers tensors and writes a safetensors shard each time `max_bytes` would be exceeded.
 
@@ -225,10 +231,8 @@ class ShardWriter:
         self.total_params += tensor.numel()
 
     def _flush(self):
-        from safetensors.torch import save_file
-
         part = f"part-{len(self._shards):05d}.safetensors.tmp"
-        save_file(self._buffer, str(self.folder / part), metadata=self.metadata)
+        _save_file(self._buffer, str(self.folder / part), metadata=self.metadata)
         self._shards.append((part, list(self._buffer)))
         self._buffer, self._buffer_bytes = {}, 0
 

@@ -28,7 +28,7 @@ ALIASES = {
 }
 # Keys of a Kimi-Linear config.json (or transformers-native one) with no field of their own: checked, then
 # dropped. Anything they could change is either the only value this model implements or refused.
-_KIMI_ONLY_KEYS = (
+KIMI_ONLY_KEYS = (
     "linear_attn_config", "mlp_layer_types", "moe_router_activation_func", "mla_use_nope", "mla_use_output_gate",
     "moe_layer_freq", "use_grouped_topk", "num_expert_group", "n_group", "topk_group", "num_nextn_predict_layers",
     "topk_method", "model_type",
@@ -134,7 +134,7 @@ def _read_kimi_keys(kwargs: dict) -> dict:
             if ours in kw and kw[ours] != value and alias != "model_max_length":
                 _fail(ours, f"equal to {alias}={value!r} when both are given", kw[ours])
             kw.setdefault(ours, value)
-    kimi = {k: kw.pop(k) for k in _KIMI_ONLY_KEYS if k in kw}
+    kimi = {k: kw.pop(k) for k in KIMI_ONLY_KEYS if k in kw}
     kw.pop("architectures_kimi", None)
     if kimi.get("moe_router_activation_func", "sigmoid") != "sigmoid":
         _fail("moe_router_activation_func", "'sigmoid' (the only router this model implements)",

@@ -25,8 +25,8 @@ from .configs import (
     kda_hybrid_config,
     kimi_linear_config,
     read_config,
+    source_config,
     source_router_semantics,
-    source_to_kimi_dict,
 )
 from .layout import ConversionError, Group, Rule, Spec, apply_rule, identity_groups, kimi_inventory, native_groups
 from .publish import MANIFEST, Staging, check_destination, check_free_space, check_paths, is_out_of_space, recover
@@ -120,8 +120,8 @@ def execute(plan: Plan, source: Source, sink, *, progress: bool = False) -> None
             bar.close()
 
 
-def _groups(source_format: str, kimi: dict, inventory: dict[str, Spec]) -> list[Group]:
-    return native_groups(kimi, inventory) if source_format == TRANSFORMERS else identity_groups(inventory)
+def _groups(source_format: str, config, inventory: dict[str, Spec]) -> list[Group]:
+    return native_groups(config, inventory) if source_format == TRANSFORMERS else identity_groups(inventory)
 
 
 def _resolve_dtype(dtype) -> torch.dtype | None:
@@ -144,9 +144,9 @@ def convert_state_dict(tensors: Mapping[str, torch.Tensor] | list[Mapping[str, t
     if source not in SOURCE_FORMATS:
         raise ConversionError(f"source: expected one of {SOURCE_FORMATS}, got {source!r}")
     reader = MemorySource([dict(tensors)] if isinstance(tensors, Mapping) else [dict(t) for t in tensors])
-    kimi = source_to_kimi_dict(config, source)
-    inventory = kimi_inventory(kimi)
-    plan = make_plan(reader.headers, _groups(source, kimi, inventory), inventory, _resolve_dtype(dtype))
+    parsed = source_config(config, source)
+    inventory = kimi_inventory(parsed)
+    plan = make_plan(reader.headers, _groups(source, parsed, inventory), inventory, _resolve_dtype(dtype))
     sink = MemorySink()
     execute(plan, reader, sink)
     return sink.close()
@@ -194,9 +194,9 @@ def convert(src, dst, *, source: str | None = None, target: str = KDA_HYBRID, dt
     raw = read_config(src)
     reader = FolderSource(src)
     source_format = source or detect_format(raw, reader.headers)
-    kimi = source_to_kimi_dict(raw, source_format)
-    inventory = kimi_inventory(kimi)
-    plan = make_plan(reader.headers, _groups(source_format, kimi, inventory), inventory, cast)
+    parsed = source_config(raw, source_format)
+    inventory = kimi_inventory(parsed)
+    plan = make_plan(reader.headers, _groups(source_format, parsed, inventory), inventory, cast)
     biased = source_router_semantics(raw, source_format)
     if router_weights_from_biased_scores is not None:
         biased = bool(router_weights_from_biased_scores)
@@ -207,12 +207,9 @@ def convert(src, dst, *, source: str | None = None, target: str = KDA_HYBRID, dt
 
     # Build the output config before writing anything: a config problem must not cost a full conversion.
     if target == KDA_HYBRID:
-        config = kda_hybrid_config(kimi, router_weights_from_biased_scores=biased, dtype=dtype_name)
-        if kimi_inventory(config.to_kimi_linear_dict()) != inventory:
-            raise ConversionError("KDAHybridConfig does not reproduce the source architecture (tensor inventories "
-                                  "differ); this is a bug in the config conversion")
+        config = kda_hybrid_config(parsed, router_weights_from_biased_scores=biased, dtype=dtype_name)
     else:
-        config = kimi_linear_config(kimi, source_config=raw, source_format=source_format, dtype=dtype_name)
+        config = kimi_linear_config(parsed, source_config=raw, source_format=source_format, dtype=dtype_name)
         if not biased:
             logger.warning("the original Kimi-Linear remote code gathers router weights from the bias-corrected "
                            "scores; this model was used with unbiased weights (transformers/vLLM). Outputs of the "

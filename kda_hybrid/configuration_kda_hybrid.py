@@ -237,16 +237,18 @@ class KDAHybridConfig(PretrainedConfig):
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.num_hidden_layers = num_hidden_layers
-        if layer_types is None:
+        if layer_types is None and _is_int(num_hidden_layers):
             layer_types = [FULL if (i + 1) % 4 == 0 else LINEAR for i in range(num_hidden_layers)]
-        self.layer_types = list(layer_types)
+        self.layer_types = list(layer_types) if isinstance(layer_types, (list, tuple)) else layer_types
         self.linear_num_heads = linear_num_heads
         self.linear_head_dim = linear_head_dim
         self.linear_conv_kernel_size = linear_conv_kernel_size
         self.attention_type = attention_type
         self.num_attention_heads = num_attention_heads
         self.num_key_value_heads = num_attention_heads if num_key_value_heads is None else num_key_value_heads
-        self.head_dim = hidden_size // num_attention_heads if head_dim is None else head_dim
+        if head_dim is None and _is_int(hidden_size) and _is_int(num_attention_heads) and num_attention_heads > 0:
+            head_dim = hidden_size // num_attention_heads
+        self.head_dim = head_dim
         self.rope_theta = rope_theta
         self.q_lora_rank = q_lora_rank
         self.kv_lora_rank = kv_lora_rank
@@ -305,7 +307,9 @@ class KDAHybridConfig(PretrainedConfig):
                      "max_position_embeddings"):
             positive_int(name)
         positive_int("linear_head_dim", (MAX_LINEAR_HEAD_DIM, "the Triton KDA kernels hold a head in registers"))
-        if not isinstance(self.layer_types, (list, tuple)) or len(self.layer_types) != self.num_hidden_layers:
+        if not isinstance(self.layer_types, list):
+            _fail("layer_types", f"a list of num_hidden_layers={self.num_hidden_layers} entries", self.layer_types)
+        if len(self.layer_types) != self.num_hidden_layers:
             _fail("layer_types", f"a list of num_hidden_layers={self.num_hidden_layers} entries",
                   f"{len(self.layer_types)} entries")
         bad = [t for t in self.layer_types if t not in (LINEAR, FULL)]

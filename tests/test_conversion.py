@@ -1,6 +1,7 @@
 """Checkpoint conversion: the real 48B inventory (meta tensors, no memory), tiny random checkpoints in every
 source layout against transformers' native model (an independent oracle), bit-exact round trips, and
-corrupted inputs that must fail with nothing written."""
+corrupted inputs that must fail with nothing written, and the destination's safety: never the source or files
+this tool did not write, old-or-new output under SIGKILL at any point, full disks and bad flags."""
 
 import gzip
 import json
@@ -858,6 +859,9 @@ def test_full_disk_is_one_clear_error_with_nothing_written(tmp_path, tiny_src, m
     message = capsys.readouterr().err.strip()
     assert message.startswith("error: ") and "not enough free space" in message and "\n" not in message
     assert not dst.exists() and leftovers(tmp_path) == []
+    with pytest.raises(ConversionError, match="not enough free space"):  # a parent that does not exist yet
+        convert(tiny_src, tmp_path / "new" / "parent" / "out", progress=False)
+    assert not (tmp_path / "new").exists()
     monkeypatch.setattr(shutil, "disk_usage", real_usage)
 
     # The disk fills up while writing (another process took the space): the OS error and safetensors' own

@@ -218,8 +218,8 @@ def convert(src, dst, *, source: str | None = None, target: str = KDA_HYBRID, dt
     carried = _files_to_carry(src, same_format=source_format == target)
     code = _code_files() if target == KDA_HYBRID else []
     needed = _output_bytes(plan) + sum(p.stat().st_size for p in [*carried, *code])
-    dst_real.parent.mkdir(parents=True, exist_ok=True)
     check_free_space(dst_real, needed)
+    dst_real.parent.mkdir(parents=True, exist_ok=True)
 
     staging = Staging(dst_real, {"source": src.name, "source_format": source_format, "target": target,
                                  "dtype": dtype_name})

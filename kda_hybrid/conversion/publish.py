@@ -16,6 +16,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import secrets
 import shutil
 from pathlib import Path
@@ -110,11 +111,14 @@ def _check_replaceable(dst: Path, shown: Path) -> None:
 
 
 def check_free_space(dst: Path, needed: int) -> None:
-    """Fail before writing when the file system holding DST has less than `needed` bytes free."""
-    free = shutil.disk_usage(dst.parent).free
+    """Fail before writing when the file system that will hold DST has less than `needed` bytes free."""
+    where = dst.parent
+    while not where.exists() and where != where.parent:  # DST's parent may not exist yet: ask its file system
+        where = where.parent
+    free = shutil.disk_usage(where).free
     if free < needed:
         raise ConversionError(f"{dst}: not enough free space: the output needs {needed:,} bytes ({_human(needed)}), "
-                              f"{dst.parent} has {free:,} bytes ({_human(free)}) free")
+                              f"{where} has {free:,} bytes ({_human(free)}) free")
 
 
 def is_out_of_space(err: BaseException) -> bool:
@@ -159,15 +163,9 @@ def _same_inode(fd: int, path: Path) -> bool:
 
 
 def _ours(path: Path, dst: Path) -> str | None:
-    """'partial' or 'old' if `path` is named like one of this tool's staging folders for `dst`, else None."""
-    name = path.name
-    if not name.startswith("." + dst.name + _TAG):
-        return None
-    if name.endswith(_PARTIAL):
-        return "partial"
-    if name.endswith(_OLD):
-        return "old"
-    return None
+    """'partial' or 'old' if `path` is named exactly like one of this tool's staging folders for `dst`."""
+    match = re.fullmatch(re.escape("." + dst.name + _TAG) + r"[0-9a-f]{12}\.(partial|old)", path.name)
+    return match.group(1) if match else None
 
 
 def recover(dst: Path) -> list[str]:
@@ -203,33 +201,6 @@ def recover(dst: Path) -> list[str]:
                 done.append(f"restored the previous output from {path.name}")
                 continue
             _remove(path)
-            done.append(f"removed {path.name}, left by a killed run")
-        finally:
-            os.close(fd)
-    return done
-    candidates = sorted((p for p in parent.iterdir() if _ours(p, dst)), key=lambda p: p.name)
-    for path in candidates:
-        if path.is_symlink() or not path.is_dir():
-            continue
-        try:
-            fd = _lock(path)
-        except FileNotFoundError:  # removed meanwhile by another run's cleanup
-            continue
-        if fd is None:
-            continue  # a live run
-        try:
-            if not _same_inode(fd, path):
-                continue
-            manifest = read_manifest(path)
-            if manifest is None and any(path.iterdir()):
-                continue  # not ours after all: never delete what we cannot recognise
-            if (_ours(path, dst) == "old" and manifest is not None and manifest.get("complete") is True
-                    and not os.path.lexists(dst) and _rename2(path, dst, _RENAME_NOREPLACE) is not None):
-                if not os.path.lexists(dst):
-                    os.rename(path, dst)
-                done.append(f"restored the previous output from {path.name}")
-                continue
-            shutil.rmtree(path)
             done.append(f"removed {path.name}, left by a killed run")
         finally:
             os.close(fd)

@@ -317,27 +317,28 @@ class KDAHybridConfig(PretrainedConfig):
             _fail("layer_types entries", f"'{LINEAR}' or '{FULL}'", bad[0])
         if self.attention_type not in ("mla", "gqa"):
             _fail("attention_type", "'mla' or 'gqa'", self.attention_type)
+        # fields of the other attention type are unused, but checked alike: a config never carries nonsense
+        positive_int("head_dim")
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
+            positive_int(name)
+        non_negative_int("qk_rope_head_dim")
+        if self.q_lora_rank is not None:
+            positive_int("q_lora_rank")
         if self.attention_type == "gqa":
-            positive_int("head_dim")
             if self.num_attention_heads % self.num_key_value_heads:
                 _fail("num_attention_heads", f"a multiple of num_key_value_heads={self.num_key_value_heads}",
                       self.num_attention_heads)
             if self.head_dim % 2:
                 _fail("head_dim", "even (RoPE rotates pairs)", self.head_dim)
-        else:
-            for name in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
-                positive_int(name)
-            non_negative_int("qk_rope_head_dim")
-            if self.q_lora_rank is not None:
-                positive_int("q_lora_rank")
         real("rope_theta", "a finite number > 0 (the RoPE base)", lambda v: v > 0)
+        for name in ("num_experts_per_tok", "moe_intermediate_size"):
+            positive_int(name)
+        non_negative_int("n_shared_experts")
+        non_negative_int("first_k_dense_replace")
         if self.num_experts is not None:
-            for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
-                positive_int(name)
+            positive_int("num_experts")
             if self.num_experts_per_tok > self.num_experts:
                 _fail("num_experts_per_tok", f"<= num_experts={self.num_experts}", self.num_experts_per_tok)
-            non_negative_int("n_shared_experts")
-            non_negative_int("first_k_dense_replace")
         real("routed_scaling_factor", "a finite number > 0", lambda v: v > 0)
         if self.hidden_act not in ("silu", "swish"):
             _fail("hidden_act", "'silu'", self.hidden_act)

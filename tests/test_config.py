@@ -82,6 +82,10 @@ BAD = [
     ("kimi-mtp", kimi(num_nextn_predict_layers=1), "num_nextn_predict_layers", "not implemented", "1"),
     ("native-mlp-types", dict(MLA, mlp_layer_types=["dense", "sparse", "dense", "sparse"]), "mlp_layer_types",
      "followed only by 'sparse'", "'dense'"),
+    ("gqa-field-in-mla", dict(MLA, head_dim=-4), "head_dim", "positive int", "-4"),
+    ("mla-field-in-gqa", dict(GQA, kv_lora_rank=math.nan), "kv_lora_rank", "positive int", "nan"),
+    ("moe-field-in-dense", dict(MLA, num_experts=None, moe_intermediate_size=0), "moe_intermediate_size",
+     "positive int", "0"),
     ("alias-conflict", dict(MLA, num_experts_per_token=3), "num_experts_per_tok", "equal to num_experts_per_token",
      "2"),
 ]

@@ -52,10 +52,9 @@ def build_model(args, meta: dict):
     over = {"vocab_size": meta["vocab_size"], "bos_token_id": meta["bos_token_id"],
             "eos_token_id": meta["eos_token_id"], "pad_token_id": meta["pad_token_id"]}
     over.update(json.loads(args.config_json) if args.config_json else {})
-    config = tiny_6p5m(**over)
     if args.all_attention:
-        config.layer_types = ["full_attention"] * config.num_hidden_layers
-        config._validate()
+        over["layer_types"] = ["full_attention"] * over.get("num_hidden_layers", tiny_6p5m().num_hidden_layers)
+    config = tiny_6p5m(**over)
     torch.manual_seed(args.seed)
     return KDAHybridForCausalLM(config)
 

@@ -1,6 +1,7 @@
 """Checkpoint conversion: the real 48B inventory (meta tensors, no memory), tiny random checkpoints in every
 source layout against transformers' native model (an independent oracle), bit-exact round trips, and
-corrupted inputs that must fail with nothing written."""
+corrupted inputs that must fail with nothing written, and the destination's safety: never the source or files
+this tool did not write, old-or-new output under SIGKILL at any point, full disks and bad flags."""
 
 import gzip
 import json
@@ -13,9 +14,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from ._native import run_native, save_checkpoint
 from kda_hybrid.conversion import ConversionError, convert, convert_state_dict, kimi_inventory
 from kda_hybrid.conversion.__main__ import main as cli_main
+
+from ._native import run_native, save_checkpoint
 
 # Every tensor name, shape and dtype of the real Kimi-Linear-48B-A3B checkpoint (20,493 rows, gzip: 62 KB).
 FIXTURE = Path(__file__).parent / "fixtures" / "kimi_linear_48b_a3b_tensors.tsv.gz"
@@ -136,6 +138,12 @@ def assert_bit_exact(actual: dict, expected: dict):
 
 def leftovers(parent: Path):
     return sorted(p.name for p in parent.iterdir() if p.name.startswith("."))
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    """Every file of a folder tree with its bytes: equal snapshots mean nothing was touched."""
+    folder = Path(folder)
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -417,7 +425,12 @@ def test_failure_mid_stream_keeps_existing_output(tmp_path, monkeypatch):
     (dst / "keep.txt").write_text("previous output")
     with pytest.raises(ConversionError, match="already exists"):
         convert(src, dst, progress=False)
+    with pytest.raises(ConversionError, match="only replaces an empty folder or one this tool wrote"):
+        convert(src, dst, overwrite=True, progress=False)  # not ours: never deleted
+    assert sorted(p.name for p in dst.iterdir()) == ["keep.txt"]
 
+    previous = convert(src, tmp_path / "previous", dtype="bfloat16", progress=False)
+    before = snapshot(previous)
     from kda_hybrid.conversion import checkpoint
 
     calls = []
@@ -431,8 +444,8 @@ def test_failure_mid_stream_keeps_existing_output(tmp_path, monkeypatch):
     original_add = checkpoint.ShardWriter.add
     monkeypatch.setattr(checkpoint.ShardWriter, "add", failing_add)
     with pytest.raises(OSError, match="disk full"):
-        convert(src, dst, overwrite=True, max_shard_size="2KB", progress=False)
-    assert sorted(p.name for p in dst.iterdir()) == ["keep.txt"] and leftovers(tmp_path) == []
+        convert(src, previous, overwrite=True, max_shard_size="2KB", progress=False)
+    assert snapshot(previous) == before and leftovers(tmp_path) == []
 
 
 def test_pickled_bin_is_refused(tmp_path):
@@ -554,3 +567,356 @@ def test_output_loads_with_trust_remote_code(tmp_path):
                           cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "torch.Size([1, 3, 96])" in proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------------------
+# (e) The destination: never the source or unrelated files; atomic under SIGKILL; full disks
+# ---------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_src(tmp_path_factory):
+    cfg = tiny_config()
+    return save_checkpoint(tmp_path_factory.mktemp("src") / "kimi", random_state_dict(cfg), cfg, shards=2)
+
+
+def test_overwrite_never_removes_the_source_or_what_contains_it(tmp_path):
+    cfg = tiny_config()
+    models = tmp_path / "models"
+    src = save_checkpoint(models / "kimi", random_state_dict(cfg), cfg, shards=2)
+    (models / "notes.txt").write_text("unrelated")
+    (tmp_path / "link-to-models").symlink_to(models)
+    (tmp_path / "link-to-src").symlink_to(src)
+    before = snapshot(tmp_path)
+    cases = [(models, "must not contain the source"), (tmp_path, "must not contain the source"),
+             (tmp_path / "link-to-models", "must not contain the source"), (src, "must not be the source"),
+             (tmp_path / "link-to-src", "must not be the source"), (src / "sub", "or inside it"),
+             (tmp_path / "link-to-src" / "sub", "or inside it")]
+    for dst, match in cases:
+        with pytest.raises(ConversionError, match=match):
+            convert(src, dst, overwrite=True, progress=False)
+        assert cli_main([str(src), str(dst), "--overwrite", "--no-progress"]) == 1
+    assert snapshot(tmp_path) == before and not (src / "sub").exists()
+
+
+def test_overwrite_replaces_only_own_outputs_and_empty_folders(tmp_path, tiny_src, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    out = convert(tiny_src, empty, overwrite=True, progress=False)  # an empty folder may be replaced
+    manifest = json.loads((out / "kda_hybrid_conversion.json").read_text())
+    assert manifest["complete"] is True and set(manifest["files"]) == {p.name for p in out.iterdir()} - {
+        "kda_hybrid_conversion.json"}
+    first = snapshot(out)
+    convert(tiny_src, out, overwrite=True, dtype="bfloat16", progress=False)  # ours: replaced
+    assert snapshot(out) != first and leftovers(tmp_path) == []
+
+    (out / "my_notes.md").write_text("written by the user")  # ours plus a foreign file: refused, kept
+    kept = snapshot(out)
+    with pytest.raises(ConversionError, match=r"1 entries this tool did not write \(my_notes.md\)"):
+        convert(tiny_src, out, overwrite=True, progress=False)
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "model.safetensors").write_bytes(b"not ours")
+    for dst in (out, foreign):
+        assert cli_main([str(tiny_src), str(dst), "--overwrite", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "did not write (my_notes.md)" in err and "only replaces an empty folder or one this tool wrote" in err
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    with pytest.raises(ConversionError, match="is not a folder"):
+        convert(tiny_src, a_file, overwrite=True, progress=False)
+    assert snapshot(out) == kept and (foreign / "model.safetensors").read_bytes() == b"not ours"
+    assert a_file.read_text() == "x" and leftovers(tmp_path) == []
+
+
+def test_rerun_removes_dead_runs_staging_but_not_live_ones(tmp_path, tiny_src):
+    import fcntl
+
+    dst = tmp_path / "out"
+    dead = tmp_path / ".out.kdaconv-0123456789ab.partial"  # what a SIGKILLed run leaves: unlocked
+    dead.mkdir()
+    (dead / "kda_hybrid_conversion.json").write_text(json.dumps({"tool": "kda_hybrid.conversion",
+                                                                  "complete": False}))
+    (dead / "part-00000.safetensors.tmp").write_bytes(b"\0" * 100)
+    empty_dead = tmp_path / ".out.kdaconv-aaaaaaaaaaaa.partial"  # killed between mkdir and the manifest
+    empty_dead.mkdir()
+    live = tmp_path / ".out.kdaconv-ba9876543210.partial"  # another run still writing: locked
+    live.mkdir()
+    (live / "kda_hybrid_conversion.json").write_text(dead.joinpath("kda_hybrid_conversion.json").read_text())
+    not_ours = tmp_path / ".out.kdaconv-cccccccccccc.partial"  # our name, but not our content
+    not_ours.mkdir()
+    (not_ours / "data.bin").write_bytes(b"x")
+    other = tmp_path / ".other.kdaconv-0123456789ab.partial"  # another destination's: not this run's business
+    other.mkdir()
+    fd = os.open(live, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        convert(tiny_src, dst, progress=False)
+    finally:
+        os.close(fd)
+    assert leftovers(tmp_path) == sorted(p.name for p in (live, not_ours, other))
+    assert read_folder(dst).keys() == kimi_inventory(tiny_config()).keys()
+
+
+def _digest(folder: Path):
+    return snapshot(folder) if folder.exists() else None
+
+
+def _kill_points(run, n_random: int, seed: int, thorough: bool) -> list[int]:
+    """Profiler event indices at which to SIGKILL `run()`: just before and just after every rename and
+    removal of the publish and cleanup code and the staging folder's creation (`thorough`: every file-system
+    call of the last 60), plus `n_random` uniform ones (most land in the streaming)."""
+    import random
+
+    events: list[str] = []
+
+    def count(frame, event, arg):
+        if event == "call":
+            events.append(frame.f_code.co_name)
+        elif event == "c_call":
+            events.append(getattr(arg, "__name__", ""))
+
+    sys.setprofile(count)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    renames = {"_rename2", "rename"}  # kill just before and just after each
+    steps = renames | {"_remove", "rmdir", "mkdir", "_write_manifest"}  # kill just before each
+    risky = steps | {"replace", "unlink", "_fsync", "save_file", "copyfile", "publish", "recover", "write_text"}
+    publish = events.index("publish")
+    points = {i + d for i, name in enumerate(events) if name in steps and (i > publish or name == "mkdir")
+              for d in ((0, 1) if name in renames else (0,))}
+    if thorough:
+        points |= {i for i, name in enumerate(events) if name in risky}
+    rng = random.Random(seed)
+    return sorted(points | {rng.randrange(len(events)) for _ in range(n_random)})
+
+
+def _run_killed_at(run, kill_at: int, *, fallback: bool) -> bool:
+    """Fork; the child runs `run()` and SIGKILLs itself at profiler event `kill_at`. True if it was killed."""
+    import signal
+
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        try:
+            if fallback:
+                from kda_hybrid.conversion import publish
+
+                publish._RENAMEAT2 = None  # the two-rename protocol, as on systems without renameat2
+            n = [0]
+
+            def die(frame, event, arg):
+                if event in ("call", "c_call"):
+                    if n[0] == kill_at:
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    n[0] += 1
+
+            sys.setprofile(die)
+            run()
+            sys.setprofile(None)
+            os._exit(0)
+        except BaseException:
+            os._exit(3)
+    for _ in range(1200):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        import time
+
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        raise AssertionError(f"conversion child killed at event {kill_at} hung")
+    assert not (os.WIFEXITED(status) and os.WEXITSTATUS(status) == 3), f"child failed at event {kill_at}"
+    return os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+
+
+def _assert_killed_runs_recover(tmp_path, src, *, overwrite, fallback, n_random, seed, thorough=False):
+    from kda_hybrid.conversion.checkpoint import FolderSource
+
+    src_before = snapshot(src)
+    new_ref = _digest(convert(src, tmp_path / "new-ref", max_shard_size="20KB", progress=False))
+    old = None
+    if overwrite:
+        old = _digest(convert(src, tmp_path / "old-ref", dtype="bfloat16", progress=False))
+        assert old != new_ref
+
+    def fresh_scenario():
+        dst = tmp_path / "work" / "out"
+        if dst.parent.exists():
+            import shutil
+
+            shutil.rmtree(dst.parent)
+        dst.parent.mkdir()
+        if overwrite:
+            convert(src, dst, dtype="bfloat16", progress=False)
+        return dst
+
+    def run():
+        convert(src, tmp_path / "work" / "out", overwrite=overwrite, max_shard_size="20KB", progress=False)
+
+    fresh_scenario()
+    points = _kill_points(run, n_random, seed, thorough)
+    killed = 0
+    for kill_at in points:
+        dst = fresh_scenario()
+        killed += _run_killed_at(run, kill_at, fallback=fallback)
+        state = _digest(dst)
+        if fallback and overwrite and state is None:  # killed between the two renames: old one aside
+            from kda_hybrid.conversion.publish import recover
+
+            assert any(".old" in line for line in leftovers(dst.parent))
+            assert recover(dst) and (state := _digest(dst)) == old, f"event {kill_at}: old output not restored"
+        allowed = [new_ref, old] if overwrite else [new_ref, None]
+        assert state in allowed, f"killed at event {kill_at}: destination half-written"
+        try:
+            run()  # the rerun: cleans up, then converts (or refuses an existing dst without --overwrite)
+        except ConversionError as err:
+            assert not overwrite and state == new_ref and "already exists" in str(err)
+        assert _digest(dst) == new_ref and leftovers(dst.parent) == [], f"event {kill_at}: rerun left {dst.parent}"
+        assert len(FolderSource(dst).headers) == len(kimi_inventory(tiny_config()))  # loadable, every tensor
+    assert snapshot(src) == src_before
+    assert killed >= len(points) - 2  # the points are inside the run, so (almost) every child died there
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork() to SIGKILL conversions cheaply")
+@pytest.mark.parametrize("overwrite", [False, True], ids=["plain", "overwrite"])
+@pytest.mark.parametrize("fallback", [False, True], ids=["exchange", "two-renames"])
+def test_sigkill_at_any_point_leaves_old_or_new_output(tmp_path, tiny_src, overwrite, fallback):
+    """A run SIGKILLed anywhere (every file-system step of the publish, plus random points in the streaming),
+    then rerun: the destination was the old output or the complete new one, the rerun leaves no staging folder,
+    the source is never touched."""
+    _assert_killed_runs_recover(tmp_path, tiny_src, overwrite=overwrite, fallback=fallback, n_random=2, seed=0)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork() to SIGKILL conversions cheaply")
+@pytest.mark.parametrize("overwrite", [False, True], ids=["plain", "overwrite"])
+@pytest.mark.parametrize("fallback", [False, True], ids=["exchange", "two-renames"])
+@pytest.mark.parametrize("seed", [1, 2])
+def test_sigkill_at_every_file_system_step(tmp_path, tiny_src, overwrite, fallback, seed):
+    _assert_killed_runs_recover(tmp_path, tiny_src, overwrite=overwrite, fallback=fallback, n_random=10, seed=seed,
+                                thorough=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_sigkill_from_outside_at_random_times(tmp_path, seed):
+    """Real subprocesses of the CLI killed after a random delay (no profiler), several seeds, plain and
+    --overwrite; each time the destination is the old or the new output, and a rerun cleans up."""
+    import random
+    import signal
+    import time
+
+    rng = random.Random(seed)
+    cfg = tiny_config(vocab_size=4000, hidden_size=64, intermediate_size=96, moe_intermediate_size=32)
+    src = save_checkpoint(tmp_path / "kimi", random_state_dict(cfg), cfg, shards=4)
+    src_before = snapshot(src)
+    new_ref = _digest(convert(src, tmp_path / "new-ref", max_shard_size="50KB", progress=False))
+    old_ref = _digest(convert(src, tmp_path / "old-ref", dtype="bfloat16", progress=False))
+    cmd = [sys.executable, "-m", "kda_hybrid.conversion", str(src), "", "--no-progress", "--max-shard-size", "50KB"]
+    started = time.monotonic()
+    proc = subprocess.run(cmd[:4] + [str(tmp_path / "timing")] + cmd[5:], capture_output=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    duration = time.monotonic() - started
+    for i, overwrite in enumerate([False, True, False, True]):
+        dst = tmp_path / f"run{i}" / "out"
+        dst.parent.mkdir()
+        if overwrite:
+            convert(src, dst, dtype="bfloat16", progress=False)
+        args = cmd[:4] + [str(dst)] + cmd[5:] + (["--overwrite"] if overwrite else [])
+        child = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(rng.uniform(0.3, 1.0) * duration)
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        assert _digest(dst) in ([new_ref, old_ref] if overwrite else [new_ref, None])
+        if _digest(dst) != new_ref or overwrite:
+            convert(src, dst, overwrite=overwrite, max_shard_size="50KB", progress=False)
+        else:
+            with pytest.raises(ConversionError, match="already exists"):  # refuses, but cleans up first
+                convert(src, dst, max_shard_size="50KB", progress=False)
+        assert _digest(dst) == new_ref and leftovers(dst.parent) == []
+    assert snapshot(src) == src_before
+
+
+def test_full_disk_is_one_clear_error_with_nothing_written(tmp_path, tiny_src, monkeypatch, capsys):
+    import errno
+    import shutil
+    from collections import namedtuple
+
+    from kda_hybrid.conversion import checkpoint
+
+    dst = tmp_path / "out"
+    usage = namedtuple("usage", "total used free")
+    real_usage = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 1000, 1000))
+    tensor_bytes = sum(t.numel() * t.element_size() for t in read_folder(tiny_src).values())
+    with pytest.raises(ConversionError, match=r"out: not enough free space: the output needs ([\d,]+) bytes") as err:
+        convert(tiny_src, dst, progress=False)
+    assert int(err.value.args[0].split("needs ")[1].split(" bytes")[0].replace(",", "")) > tensor_bytes
+    assert "1,000 bytes (1.0 KB) free" in str(err.value)
+    assert cli_main([str(tiny_src), str(dst), "--no-progress"]) == 1
+    message = capsys.readouterr().err.strip()
+    assert message.startswith("error: ") and "not enough free space" in message and "\n" not in message
+    assert not dst.exists() and leftovers(tmp_path) == []
+    with pytest.raises(ConversionError, match="not enough free space"):  # a parent that does not exist yet
+        convert(tiny_src, tmp_path / "new" / "parent" / "out", progress=False)
+    assert not (tmp_path / "new").exists()
+    monkeypatch.setattr(shutil, "disk_usage", real_usage)
+
+    # The disk fills up while writing (another process took the space): the OS error and safetensors' own
+    # exception both become the same one line, and nothing is left behind.
+    from safetensors import SafetensorError
+
+    for failure in (OSError(errno.ENOSPC, "No space left on device"),
+                    SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, "
+                                    'message: "No space left on device" })')):
+        def full(*args, failure=failure, **kwargs):
+            raise failure
+
+        monkeypatch.setattr(checkpoint, "_save_file", full)
+        with pytest.raises(ConversionError, match=r"out: no space left on the device while writing: the output "
+                                                  r"needs [\d,]+ bytes"):
+            convert(tiny_src, dst, max_shard_size="20KB", progress=False)
+        assert not dst.exists() and leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
+    (["--from", "gguf"], "argument --from: invalid choice: 'gguf'"),
+    (["--to", "transformers"], "argument --to: invalid choice: 'transformers'"),
+    (["--max-shard-size", "lots"], "argument --max-shard-size: expected e.g. '5GB'"),
+    (["--max-shard-size", "0"], "argument --max-shard-size: expected a positive size, got '0'"),
+    (["--biased-router", "--unbiased-router"], "not allowed with argument"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+], ids=["dtype", "from", "to", "shard-size", "shard-size-zero", "router-both", "unknown"])
+def test_cli_bad_flags_fail_before_anything_is_written(tmp_path, tiny_src, capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_:
+        cli_main([str(tiny_src), str(tmp_path / "out"), *argv])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: python -m kda_hybrid.conversion") and message in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_cli_bad_inputs_fail_before_anything_is_written(tmp_path, tiny_src, capsys):
+    no_config = tmp_path / "no-config"
+    no_config.mkdir()
+    for src, dst, message in [(tmp_path / "missing", tmp_path / "o1", "missing: not a folder"),
+                              (no_config, tmp_path / "o2", "no-config: no config.json"),
+                              (tiny_src, tmp_path / "sub" / "o3", None)]:
+        code = cli_main([str(src), str(dst), "--no-progress", "--dtype", "float16"])
+        err = capsys.readouterr().err
+        if message is None:
+            assert code == 0 and (dst / "config.json").is_file()
+        else:
+            assert code == 1 and err.startswith("error: ") and message in err and not dst.exists()
+    with pytest.raises(SystemExit):
+        cli_main([str(tiny_src), "", "--no-progress"])
+    assert "DST must be a folder path" in capsys.readouterr().err
+    for kwargs, name in [(dict(overwrite="yes"), "overwrite"), (dict(max_shard_size=True), "max shard size"),
+                         (dict(router_weights_from_biased_scores=1), "router_weights_from_biased_scores"),
+                         (dict(dtype="int8"), "dtype"), (dict(source="onnx"), "source"), (dict(target="x"), "target")]:
+        with pytest.raises(ConversionError, match=name):
+            convert(tiny_src, tmp_path / "o4", progress=False, **kwargs)
+    assert not (tmp_path / "o4").exists() and leftovers(tmp_path) == []

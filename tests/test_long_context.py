@@ -13,7 +13,6 @@ import torch
 
 import kda_hybrid.layers_kda_hybrid as layers
 from kda_hybrid import KDAHybridCache, KDAHybridConfig, KDAHybridForCausalLM
-from kda_hybrid.cache_kda_hybrid import KDALayerState
 from kda_hybrid.long_context import prefill
 
 from .test_model import VOCAB, prompt, tiny_model
@@ -32,7 +31,7 @@ def assert_caches_close(got: KDAHybridCache, want: KDAHybridCache):
     for i, (a, b) in enumerate(zip(got.layers, want.layers)):
         assert type(a) is type(b), i
         for x, y in zip(a.tensors(), b.tensors(), strict=True):
-            torch.testing.assert_close(x, y, **STATE_TOL, msg=lambda m: f"layer {i}: {m}")
+            torch.testing.assert_close(x, y, **STATE_TOL, msg=lambda m, i=i: f"layer {i}: {m}")
 
 
 @pytest.mark.parametrize("attention,chunk", [

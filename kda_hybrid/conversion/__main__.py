@@ -6,9 +6,17 @@ import argparse
 import logging
 import sys
 
+from .checkpoint import parse_size
 from .configs import KDA_HYBRID, SOURCE_FORMATS, TARGET_FORMATS
 from .convert import DTYPES, convert
 from .layout import ConversionError
+
+
+def _shard_size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ConversionError as err:
+        raise argparse.ArgumentTypeError(str(err).removeprefix("max shard size: ")) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,8 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="output layout (default: %(default)s)")
     parser.add_argument("--dtype", choices=["keep", *DTYPES], default="keep",
                         help="cast floating tensors (A_log, dt_bias, router bias stay float32); default: keep")
-    parser.add_argument("--max-shard-size", default="5GB", help="largest output shard, e.g. 5GB, 500MiB (default: 5GB)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing DST")
+    parser.add_argument("--max-shard-size", type=_shard_size, default="5GB",
+                        help="largest output shard, e.g. 5GB, 500MiB (default: 5GB)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing DST if it is empty or an earlier output of this tool")
     router = parser.add_mutually_exclusive_group()
     router.add_argument("--biased-router", dest="biased", action="store_true", default=None,
                         help="router weights from the bias-corrected scores (Moonshot's Hub code; default for "
@@ -44,7 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)  # bad flags: usage + error, exit status 2, before anything is touched
+    for name in ("src", "dst"):
+        if not getattr(args, name).strip():
+            parser.error(f"{name.upper()} must be a folder path, got an empty string")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     try:
         out = convert(args.src, args.dst, source=args.source, target=args.target, dtype=args.dtype,
@@ -52,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
                       router_weights_from_biased_scores=args.biased, layer_types=args.layer_types,
                       progress=not args.no_progress)
     except ConversionError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except OSError as err:  # permissions, a read-only file system, ...: one line, not a traceback
         print(f"error: {err}", file=sys.stderr)
         return 1
     print(f"wrote {out}")

@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 
@@ -172,15 +172,20 @@ def name_list(what: str, names: list[str], limit: int = 30) -> str:
 # Writing
 # --------------------------------------------------------------------------------------------------------
 def parse_size(size: int | str) -> int:
-    """'5GB' -> 5 * 10**9, '500MiB' -> 500 * 2**20, ints pass through (transformers' convention)."""
-    if isinstance(size, int):
-        return size
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*", str(size), flags=re.IGNORECASE)
-    if not match:
+    """'5GB' -> 5 * 10**9, '500MiB' -> 500 * 2**20, positive ints pass through (transformers' convention)."""
+    if isinstance(size, bool) or not isinstance(size, (int, str)):
         raise ConversionError(f"max shard size: expected e.g. '5GB', '500MiB' or a byte count, got {size!r}")
-    value, unit, binary = float(match.group(1)), match.group(2).upper(), match.group(3)
-    base = 1024 if binary else 1000
-    return int(value * base ** " KMGT".index(unit or " "))
+    if isinstance(size, int):
+        value = size
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*", size, flags=re.IGNORECASE)
+        if not match:
+            raise ConversionError(f"max shard size: expected e.g. '5GB', '500MiB' or a byte count, got {size!r}")
+        number, unit, binary = float(match.group(1)), match.group(2).upper(), match.group(3)
+        value = int(number * (1024 if binary else 1000) ** " KMGT".index(unit or " "))
+    if value <= 0:
+        raise ConversionError(f"max shard size: expected a positive size, got {size!r}")
+    return value
 
 
 class MemorySink:
@@ -192,6 +197,12 @@ class MemorySink:
 
     def close(self):
         return self.tensors
+
+
+def _save_file(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str]) -> None:
+    from safetensors.torch import save_file
+
+    save_file(tensors, path, metadata=metadata)
 
 
 class ShardWriter:
@@ -220,10 +231,8 @@ class ShardWriter:
         self.total_params += tensor.numel()
 
     def _flush(self):
-        from safetensors.torch import save_file
-
         part = f"part-{len(self._shards):05d}.safetensors.tmp"
-        save_file(self._buffer, str(self.folder / part), metadata=self.metadata)
+        _save_file(self._buffer, str(self.folder / part), metadata=self.metadata)
         self._shards.append((part, list(self._buffer)))
         self._buffer, self._buffer_bytes = {}, 0
 

@@ -1,5 +1,5 @@
 """Plan, then stream: validate the whole mapping from headers alone, then read one source shard at a time,
-write output shards as they fill, and publish the output folder with one rename at the end."""
+write output shards as they fill into a staging folder, and publish it atomically at the end (publish.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import importlib.util
 import json
 import logging
 import shutil
-import tempfile
 from collections import Counter, defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -26,11 +25,12 @@ from .configs import (
     kda_hybrid_config,
     kimi_linear_config,
     read_config,
+    source_config,
     source_router_semantics,
-    source_to_kimi_dict,
 )
-from .from_attention import ATTENTION_SOURCES, KDAInit, hybrid_config, is_attention_source
+from .from_attention import ATTENTION_SOURCES, KDAInit, is_attention_source
 from .layout import ConversionError, Group, Rule, Spec, apply_rule, identity_groups, kimi_inventory, native_groups
+from .publish import MANIFEST, Staging, check_destination, check_free_space, check_paths, is_out_of_space, recover
 
 logger = logging.getLogger("kda_hybrid.conversion")
 
@@ -121,8 +121,8 @@ def execute(plan: Plan, source: Source, sink, *, progress: bool = False) -> None
             bar.close()
 
 
-def _groups(source_format: str, kimi: dict, inventory: dict[str, Spec]) -> list[Group]:
-    return native_groups(kimi, inventory) if source_format == TRANSFORMERS else identity_groups(inventory)
+def _groups(source_format: str, config, inventory: dict[str, Spec]) -> list[Group]:
+    return native_groups(config, inventory) if source_format == TRANSFORMERS else identity_groups(inventory)
 
 
 def _resolve_dtype(dtype) -> torch.dtype | None:
@@ -145,9 +145,9 @@ def convert_state_dict(tensors: Mapping[str, torch.Tensor] | list[Mapping[str, t
     if source not in SOURCE_FORMATS:
         raise ConversionError(f"source: expected one of {SOURCE_FORMATS}, got {source!r}")
     reader = MemorySource([dict(tensors)] if isinstance(tensors, Mapping) else [dict(t) for t in tensors])
-    kimi = source_to_kimi_dict(config, source)
-    inventory = kimi_inventory(kimi)
-    plan = make_plan(reader.headers, _groups(source, kimi, inventory), inventory, _resolve_dtype(dtype))
+    parsed = source_config(config, source)
+    inventory = kimi_inventory(parsed)
+    plan = make_plan(reader.headers, _groups(source, parsed, inventory), inventory, _resolve_dtype(dtype))
     sink = MemorySink()
     execute(plan, reader, sink)
     return sink.close()
@@ -170,36 +170,45 @@ def convert(src, dst, *, source: str | None = None, target: str = KDA_HYBRID, dt
         ('k' = KDA, 'A' = keep the attention) or a pattern repeated to the depth, e.g. "kkkA"
         (see `from_attention`); kda_init tunes the new KDA layers' starting values.
     Every source tensor must be consumed and every target tensor produced with the expected shape, else
-    ConversionError names them all. Output is written to a temporary sibling folder and renamed at the end,
-    so a failure leaves nothing behind. An existing `dst` is refused unless `overwrite`.
+    ConversionError names them all. Output is staged in a hidden sibling folder and swapped into place at the
+    end, so `dst` is at every instant absent, the old output or the complete new one, even if the run is killed
+    (docs/conversion.md, "Crash safety"); a rerun cleans up what a killed run left. An existing `dst` is refused
+    unless `overwrite`, and even then only an empty folder or an earlier output of this tool is replaced, never
+    the source, a folder inside it or a folder containing it.
     """
     src, dst = Path(src), Path(dst)
     if target not in TARGET_FORMATS:
         raise ConversionError(f"target: expected one of {TARGET_FORMATS}, got {target!r}")
     if source is not None and source not in SOURCE_FORMATS:
         raise ConversionError(f"source: expected one of {SOURCE_FORMATS}, got {source!r}")
+    for name, flag in (("overwrite", overwrite), ("progress", progress)):
+        if not isinstance(flag, bool):
+            raise ConversionError(f"{name}: expected True or False, got {flag!r}")
+    if router_weights_from_biased_scores is not None and not isinstance(router_weights_from_biased_scores, bool):
+        raise ConversionError("router_weights_from_biased_scores: expected True, False or None, got "
+                              f"{router_weights_from_biased_scores!r}")
     cast = _resolve_dtype(dtype)
     max_bytes = parse_size(max_shard_size)
     if not src.is_dir():
         raise ConversionError(f"{src}: not a folder")
-    if dst.exists() and not overwrite:
-        raise ConversionError(f"{dst} already exists; pass overwrite=True (--overwrite) to replace it")
-    if dst.resolve() == src.resolve() or src.resolve() in dst.resolve().parents:
-        raise ConversionError(f"{dst}: the output must not be the source folder or inside it")
+    dst_real = check_paths(src, dst)  # never the source, inside it or around it: before anything is touched
+    for line in recover(dst_real):  # what earlier killed runs left (only ours, only dead runs')
+        logger.warning("%s: %s", dst, line)
+    check_destination(src, dst, overwrite=overwrite)
 
     raw = read_config(src)
     reader = FolderSource(src)
     if is_attention_source(raw):
-        return _convert_attention(src, dst, raw, reader, layer_types=layer_types, target=target, cast=cast,
-                                  max_bytes=max_bytes, overwrite=overwrite, kda_init=kda_init or KDAInit(),
+        return _convert_attention(src, dst, dst_real, raw, reader, layer_types=layer_types, target=target,
+                                  cast=cast, max_bytes=max_bytes, overwrite=overwrite, kda_init=kda_init or KDAInit(),
                                   progress=progress)
     if layer_types is not None:
         raise ConversionError(f"layer_types (--layer-types) applies to {'/'.join(ATTENTION_SOURCES)} sources; "
                               f"{src} is a {raw.get('model_type')!r} checkpoint, whose layer types are fixed")
     source_format = source or detect_format(raw, reader.headers)
-    kimi = source_to_kimi_dict(raw, source_format)
-    inventory = kimi_inventory(kimi)
-    plan = make_plan(reader.headers, _groups(source_format, kimi, inventory), inventory, cast)
+    parsed = source_config(raw, source_format)
+    inventory = kimi_inventory(parsed)
+    plan = make_plan(reader.headers, _groups(source_format, parsed, inventory), inventory, cast)
     biased = source_router_semantics(raw, source_format)
     if router_weights_from_biased_scores is not None:
         biased = bool(router_weights_from_biased_scores)
@@ -210,39 +219,59 @@ def convert(src, dst, *, source: str | None = None, target: str = KDA_HYBRID, dt
 
     # Build the output config before writing anything: a config problem must not cost a full conversion.
     if target == KDA_HYBRID:
-        config = kda_hybrid_config(kimi, router_weights_from_biased_scores=biased, dtype=dtype_name)
-        if kimi_inventory(config.to_kimi_linear_dict()) != inventory:
-            raise ConversionError("KDAHybridConfig does not reproduce the source architecture (tensor inventories "
-                                  "differ); this is a bug in the config conversion")
+        config = kda_hybrid_config(parsed, router_weights_from_biased_scores=biased, dtype=dtype_name)
     else:
-        config = kimi_linear_config(kimi, source_config=raw, source_format=source_format, dtype=dtype_name)
+        config = kimi_linear_config(parsed, source_config=raw, source_format=source_format, dtype=dtype_name)
         if not biased:
             logger.warning("the original Kimi-Linear remote code gathers router weights from the bias-corrected "
                            "scores; this model was used with unbiased weights (transformers/vLLM). Outputs of the "
                            "original code will differ; transformers' native class matches.")
 
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".partial", dir=dst.parent))
-    try:
-        tmp.chmod(0o755)  # mkdtemp makes it owner-only; the published folder gets the usual permissions
-        writer = ShardWriter(tmp, max_bytes)
+    carried = _files_to_carry(src, same_format=source_format == target)
+    code = _code_files() if target == KDA_HYBRID else []
+
+    def fill(folder: Path) -> None:
+        writer = ShardWriter(folder, max_bytes)
         execute(plan, reader, writer, progress=progress)
         writer.close()
         if target == KDA_HYBRID:
-            _save_kda_hybrid_config(config, tmp)
+            _save_kda_hybrid_config(config, folder, code)
         else:
-            (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        _carry_files(src, tmp, same_format=source_format == target)
-        _publish(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+    manifest = {"source": src.name, "source_format": source_format, "target": target, "dtype": dtype_name}
+    _stage_and_publish(dst, dst_real, fill, carried, code, _output_bytes(plan), manifest, overwrite=overwrite)
     return dst
 
 
-def _convert_attention(src: Path, dst: Path, raw: dict, reader: FolderSource, *, layer_types, target, cast,
-                       max_bytes, overwrite, kda_init, progress) -> Path:
-    from .from_attention import AttentionConversionError, check_plan, stream
+def _stage_and_publish(dst: Path, dst_real: Path, fill, carried: list[Path], code: list[Path], tensor_bytes: int,
+                       manifest: dict, *, overwrite: bool) -> None:
+    """Check the free space, write the output into a staging folder with `fill(folder)` plus the carried files,
+    and publish it (publish.Staging); on any failure the staging folder goes and `dst` is as it was."""
+    needed = tensor_bytes + sum(p.stat().st_size for p in [*carried, *code])
+    check_free_space(dst_real, needed)
+    dst_real.parent.mkdir(parents=True, exist_ok=True)
+    staging = Staging(dst_real, manifest)
+    try:
+        fill(staging.path)
+        for path in carried:
+            if not (staging.path / path.name).exists():
+                shutil.copyfile(path, staging.path / path.name)
+        staging.publish(overwrite=overwrite)
+    except BaseException as err:
+        staging.discard()
+        if isinstance(err, Exception) and is_out_of_space(err):
+            free = shutil.disk_usage(dst_real.parent).free
+            raise ConversionError(f"{dst}: no space left on the device while writing: the output needs {needed:,} "
+                                  f"bytes, {free:,} bytes are free now (nothing was written)") from None
+        raise
+
+
+def _convert_attention(src: Path, dst: Path, dst_real: Path, raw: dict, reader: FolderSource, *, layer_types,
+                       target, cast, max_bytes, overwrite, kda_init, progress) -> Path:
+    """A Llama / Mistral / Qwen2 / Qwen3 folder -> a KDA hybrid (from_attention.py), staged and published as
+    every conversion is."""
+    from .from_attention import AttentionConversionError, check_plan, hybrid_config, stream
 
     if target != KDA_HYBRID:
         raise ConversionError(f"target: a {raw['model_type']} source converts to {KDA_HYBRID!r} only, got {target!r}")
@@ -251,23 +280,27 @@ def _convert_attention(src: Path, dst: Path, raw: dict, reader: FolderSource, *,
                               "letter per layer, 'k' = KDA and 'A' = attention, e.g. kkkA")
     try:
         config = hybrid_config(raw, layer_types)
-        check_plan(config, raw, reader.headers)
-    except AttentionConversionError as err:
+        shapes = check_plan(config, raw, reader.headers)
+    except (AttentionConversionError, ValueError) as err:
         raise ConversionError(str(err)) from None
     main = cast or reader.headers["model.embed_tokens.weight"].dtype
     config.dtype = str(main).removeprefix("torch.")
     pattern = "".join("k" if t == "linear_attention" else "A" for t in config.layer_types)
     logger.info("source format %s, %d tensors -> %s (%s, layers %s)", raw["model_type"], len(reader.headers),
                 KDA_HYBRID, config.dtype, pattern)
+    code = _code_files()
 
-    def fill(tmp: Path) -> None:
-        writer = ShardWriter(tmp, max_bytes)
+    def fill(folder: Path) -> None:
+        writer = ShardWriter(folder, max_bytes)
         stream(config, raw, reader, _CastingSink(writer, cast), init=kda_init, progress=progress)
         writer.close()
-        _save_kda_hybrid_config(config, tmp)
-        _carry_files(src, tmp, same_format=False)
+        _save_kda_hybrid_config(config, folder, code)
 
-    _write_folder(dst, fill, overwrite=overwrite)
+    tensor_bytes = sum(_numel(shape) * 4 for shape in shapes.values()) + 512 * len(shapes) + 2**20  # fp32 bound
+    manifest = {"source": src.name, "source_format": raw["model_type"], "target": KDA_HYBRID,
+                "dtype": config.dtype, "layer_types": pattern}
+    _stage_and_publish(dst, dst_real, fill, _files_to_carry(src, same_format=False), code, tensor_bytes, manifest,
+                       overwrite=overwrite)
     return dst
 
 
@@ -282,20 +315,18 @@ class _CastingSink:
         self.sink.add(name, tensor if keep else tensor.to(self.dtype))
 
 
-def _write_folder(dst: Path, fill, *, overwrite: bool) -> None:
-    """Fill a hidden temporary sibling of `dst` with `fill(tmp)`, then publish it (see `_publish`); on any failure
-    the temporary folder is removed and `dst` is left as it was."""
-    if dst.exists() and not overwrite:
-        raise ConversionError(f"{dst} already exists; pass overwrite=True (--overwrite) to replace it")
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".partial", dir=dst.parent))
-    try:
-        tmp.chmod(0o755)  # mkdtemp makes it owner-only; the published folder gets the usual permissions
-        fill(tmp)
-        _publish(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+def _output_bytes(plan: Plan) -> int:
+    """Bytes the output will take: tensor data plus, per tensor, a generous allowance for its safetensors
+    header entry and index line (~150 bytes each in practice), plus config files."""
+    data = sum(_numel(spec.shape) * plan.out_dtypes[name].itemsize for name, spec in plan.inventory.items())
+    return data + 512 * len(plan.inventory) + 2**20
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
 
 
 def _main_dtype(plan: Plan) -> torch.dtype:
@@ -304,45 +335,35 @@ def _main_dtype(plan: Plan) -> torch.dtype:
     return counts.most_common(1)[0][0] if counts else torch.float32
 
 
-def _save_kda_hybrid_config(config, folder: Path) -> None:
-    """config.json plus the flat model code files, so the folder loads with trust_remote_code=True."""
+def _code_files() -> list[Path]:
+    """The flat model code files our output carries (the modeling module and everything it imports)."""
     if importlib.util.find_spec("kda_hybrid.modeling_kda_hybrid") is None:
-        logger.warning("kda_hybrid.modeling_kda_hybrid not found: writing config.json without model code")
-        config.save_pretrained(folder)
-        return
+        return []
     from transformers.dynamic_module_utils import get_relative_import_files
 
     modeling = importlib.import_module("kda_hybrid.modeling_kda_hybrid")
-    for file in [modeling.__file__, *get_relative_import_files(modeling.__file__)]:
-        shutil.copyfile(file, folder / Path(file).name)
+    return [Path(f) for f in [modeling.__file__, *get_relative_import_files(modeling.__file__)]]
+
+
+def _save_kda_hybrid_config(config, folder: Path, code: list[Path]) -> None:
+    """config.json plus the flat model code files, so the folder loads with trust_remote_code=True."""
+    if not code:
+        logger.warning("kda_hybrid.modeling_kda_hybrid not found: writing config.json without model code")
+        config.save_pretrained(folder)
+        return
+    for file in code:
+        shutil.copyfile(file, folder / file.name)
     auto_map = {"AutoConfig": "configuration_kda_hybrid.KDAHybridConfig",
                 "AutoModelForCausalLM": "modeling_kda_hybrid.KDAHybridForCausalLM"}
+    modeling = importlib.import_module("kda_hybrid.modeling_kda_hybrid")
     if hasattr(modeling, "KDAHybridModel"):
         auto_map["AutoModel"] = "modeling_kda_hybrid.KDAHybridModel"
     config.auto_map = auto_map
     config.save_pretrained(folder)
 
 
-def _carry_files(src: Path, dst: Path, *, same_format: bool) -> None:
+def _files_to_carry(src: Path, *, same_format: bool) -> list[Path]:
     carried = {p for pattern in _CARRIED for p in src.glob(pattern) if p.is_file()}
     if same_format:  # a re-shard or cast keeps the format's own code (e.g. the Hub's modeling_kimi.py)
         carried |= {p for p in src.glob("*.py") if p.is_file()}
-    for path in sorted(carried):
-        if not (dst / path.name).exists():
-            shutil.copyfile(path, dst / path.name)
-
-
-def _publish(tmp: Path, dst: Path) -> None:
-    """Rename the finished folder into place; an existing dst (overwrite) is moved aside first, then removed."""
-    if not dst.exists() and not dst.is_symlink():
-        tmp.rename(dst)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".old", dir=dst.parent))
-    aside = old / "previous"
-    dst.rename(aside)
-    try:
-        tmp.rename(dst)
-    except BaseException:
-        aside.rename(dst)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
+    return sorted(p for p in carried if p.name != MANIFEST)

@@ -303,9 +303,9 @@ def target_shapes(config) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_plan(config, cfg: dict, headers: dict[str, Header]) -> None:
+def check_plan(config, cfg: dict, headers: dict[str, Header]) -> dict[str, tuple[int, ...]]:
     """The steps and the KDA initial tensors produce exactly the converted model's tensors, shapes included
-    (a meta-tensor dry run; reads no data)."""
+    (a meta-tensor dry run; reads no data). Returns those shapes."""
     check_source(config, cfg, headers)
     names = [n for n in headers if not (config.tie_word_embeddings and n == "lm_head.weight")]
     steps, _ = make_steps(config, names)
@@ -325,3 +325,4 @@ def check_plan(config, cfg: dict, headers: dict[str, Header]) -> None:
         wrong = sorted(set(produced) ^ set(expected)) + sorted(
             n for n in set(produced) & set(expected) if produced[n] != expected[n])
         raise AssertionError(f"conversion plan does not produce the model's tensors: {wrong[:20]}")
+    return expected

@@ -1,5 +1,5 @@
 """What a checkpoint must contain: every tensor name and shape of a Kimi Linear model, computed from its
-config.json dict, and the rules that produce those tensors from each source naming.
+config (parsed by KDAHybridConfig), and the rules that produce those tensors from each source naming.
 
 Our parameter names are exactly the original Kimi-Linear names, so the original format and ours share one
 inventory. transformers' native `kimi_linear` renames and fuses some of them (docs/architecture.md §5); its rules split
@@ -50,54 +50,50 @@ class Rule:
 
 
 # --------------------------------------------------------------------------------------------------------
-# Architecture from a Kimi-Linear config.json dict
+# Architecture from the config (read by KDAHybridConfig, the one parser of Kimi-Linear config.json files)
 # --------------------------------------------------------------------------------------------------------
-def _get(cfg: dict, key: str, default=...):
-    if key in cfg and cfg[key] is not None:
-        return cfg[key]
-    if default is ...:
-        raise ConversionError(f"config.json: '{key}' is required to compute the checkpoint's tensors")
-    return default
+# Keys that describe a file, not the architecture; never passed from one format's config to another's.
+FILE_KEYS = ("auto_map", "architectures", "model_type", "transformers_version", "_name_or_path", "torch_dtype",
+             "dtype")
 
 
-def layer_kinds(cfg: dict) -> tuple[list[str], list[str]]:
-    """Per 0-based layer: attention kind ("kda"/"mla") and MLP kind ("dense"/"moe") of a Kimi config dict."""
-    n_layers = _get(cfg, "num_hidden_layers")
-    lac = _get(cfg, "linear_attn_config")
-    attn: list[str | None] = [None] * n_layers
-    for key, kind in (("kda_layers", KDA), ("full_attn_layers", MLA)):
-        for one_based in lac.get(key) or []:
-            if not (isinstance(one_based, int) and 1 <= one_based <= n_layers):
-                raise ConversionError(f"linear_attn_config.{key}: expected 1-based layers in 1..{n_layers}, "
-                                      f"got {one_based!r}")
-            if attn[one_based - 1] is not None:
-                raise ConversionError(f"linear_attn_config: layer {one_based} is in both kda_layers and "
-                                      "full_attn_layers")
-            attn[one_based - 1] = kind
-    missing = [i + 1 for i, kind in enumerate(attn) if kind is None]
-    if missing:
-        raise ConversionError(f"linear_attn_config: 1-based layers {missing} are in neither kda_layers nor "
-                              "full_attn_layers")
-    if _get(cfg, "moe_layer_freq", 1) != 1:
-        raise ConversionError(f"config.json: moe_layer_freq must be 1, got {cfg['moe_layer_freq']!r}")
-    n_experts = _get(cfg, "num_experts", 0)
-    first_dense = _get(cfg, "first_k_dense_replace", 0)
-    mlp = [MOE if n_experts and i >= first_dense else DENSE for i in range(n_layers)]
+def as_config(cfg):
+    """A KDAHybridConfig for `cfg`: one already, or a config.json dict in any of the three namings (ConversionError
+    naming the field if the config is invalid)."""
+    from ..configuration_kda_hybrid import KDAHybridConfig
+
+    if isinstance(cfg, KDAHybridConfig):
+        return cfg
+    if not isinstance(cfg, dict):
+        raise ConversionError(f"config: expected a config.json dict or a KDAHybridConfig, got {type(cfg).__name__}")
+    try:
+        return KDAHybridConfig(**{k: v for k, v in cfg.items() if k not in FILE_KEYS})
+    except (TypeError, ValueError) as err:
+        raise ConversionError(f"config.json: {err}") from None
+
+
+def layer_kinds(cfg) -> tuple[list[str], list[str]]:
+    """Per 0-based layer: attention kind ("kda"/"mla") and MLP kind ("dense"/"moe")."""
+    config = as_config(cfg)
+    attn = [KDA if t == "linear_attention" else MLA for t in config.layer_types]
+    mlp = [MOE if config.is_moe_layer(i) else DENSE for i in range(config.num_hidden_layers)]
     return attn, mlp
 
 
-def kimi_inventory(cfg: dict) -> dict[str, Spec]:
-    """Every tensor of a Kimi Linear checkpoint with this config.json, in layer order."""
-    if _get(cfg, "attention_bias", False):
+def kimi_inventory(cfg) -> dict[str, Spec]:
+    """Every tensor of a Kimi Linear checkpoint with this config (a KDAHybridConfig or a config.json dict), in
+    layer order. Our parameter names are the original ones, so this is our model's state dict too."""
+    config = as_config(cfg)
+    if config.attention_type != "mla":
+        raise ConversionError("config.json: attention_type='gqa' has no Kimi Linear equivalent")
+    if config.attention_bias:
         raise ConversionError("config.json: attention_bias=True has no Kimi Linear equivalent")
-    attn, mlp = layer_kinds(cfg)
-    D, vocab = _get(cfg, "hidden_size"), _get(cfg, "vocab_size")
-    lac = cfg["linear_attn_config"]
-    H, K = _get(lac, "num_heads"), _get(lac, "head_dim")  # KDA: K = V = head_dim
-    conv = _get(lac, "short_conv_kernel_size", 4)
-    n_heads = _get(cfg, "num_attention_heads")
-    nope, rope, v_dim = _get(cfg, "qk_nope_head_dim"), _get(cfg, "qk_rope_head_dim"), _get(cfg, "v_head_dim")
-    kv_rank, q_rank = _get(cfg, "kv_lora_rank"), _get(cfg, "q_lora_rank", None)
+    attn, mlp = layer_kinds(config)
+    D, vocab = config.hidden_size, config.vocab_size
+    H, K, conv = config.linear_num_heads, config.linear_head_dim, config.linear_conv_kernel_size  # K = V
+    n_heads = config.num_attention_heads
+    nope, rope, v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+    kv_rank, q_rank = config.kv_lora_rank, config.q_lora_rank
 
     inv: dict[str, Spec] = {"model.embed_tokens.weight": Spec((vocab, D))}
     for i, (attn_kind, mlp_kind) in enumerate(zip(attn, mlp)):
@@ -131,12 +127,12 @@ def kimi_inventory(cfg: dict) -> dict[str, Spec]:
             inv[a + "kv_b_proj.weight"] = Spec((n_heads * (nope + v_dim), kv_rank))
             inv[a + "o_proj.weight"] = Spec((D, n_heads * v_dim))
         if mlp_kind == DENSE:
-            inter = _get(cfg, "intermediate_size")
+            inter = config.intermediate_size
             inv[p + "mlp.gate_proj.weight"] = Spec((inter, D))
             inv[p + "mlp.up_proj.weight"] = Spec((inter, D))
             inv[p + "mlp.down_proj.weight"] = Spec((D, inter))
         else:
-            E, inter = _get(cfg, "num_experts"), _get(cfg, "moe_intermediate_size")
+            E, inter = config.num_experts, config.moe_intermediate_size
             m = p + "block_sparse_moe."
             inv[m + "gate.weight"] = Spec((E, D), no_downcast=True)
             inv[m + "gate.e_score_correction_bias"] = Spec((E,), fp32=True)
@@ -144,13 +140,13 @@ def kimi_inventory(cfg: dict) -> dict[str, Spec]:
                 inv[m + f"experts.{e}.w1.weight"] = Spec((inter, D))
                 inv[m + f"experts.{e}.w2.weight"] = Spec((D, inter))
                 inv[m + f"experts.{e}.w3.weight"] = Spec((inter, D))
-            shared = inter * _get(cfg, "num_shared_experts", 0)
+            shared = inter * config.n_shared_experts
             if shared:
                 inv[m + "shared_experts.gate_proj.weight"] = Spec((shared, D))
                 inv[m + "shared_experts.up_proj.weight"] = Spec((shared, D))
                 inv[m + "shared_experts.down_proj.weight"] = Spec((D, shared))
     inv["model.norm.weight"] = Spec((D,))
-    if not _get(cfg, "tie_word_embeddings", False):
+    if not config.tie_word_embeddings:
         inv["lm_head.weight"] = Spec((vocab, D))
     return inv
 
@@ -173,9 +169,10 @@ def identity_groups(inventory: dict[str, Spec]) -> list[Group]:
     return [[[_copy(name, spec)]] for name, spec in inventory.items()]
 
 
-def native_groups(cfg: dict, inventory: dict[str, Spec]) -> list[Group]:
+def native_groups(cfg, inventory: dict[str, Spec]) -> list[Group]:
     """transformers-native `kimi_linear` names (fused or as saved with original names) -> original names."""
-    attn, mlp = layer_kinds(cfg)
+    config = as_config(cfg)
+    attn, mlp = layer_kinds(config)
     groups: list[Group] = []
     done: set[str] = set()
 
@@ -208,7 +205,7 @@ def native_groups(cfg: dict, inventory: dict[str, Spec]) -> list[Group]:
                 name = m + leaf
                 if name in inventory:
                     add([[_copy(name, inventory[name], p + "mlp." + leaf)], [_copy(name, inventory[name])]])
-            E = cfg["num_experts"]
+            E = config.num_experts
             inter, D = inventory[m + "experts.0.w1.weight"].shape
             gate_up = tuple(m + f"experts.{e}.{w}.weight" for e in range(E) for w in ("w1", "w3"))
             down = tuple(m + f"experts.{e}.w2.weight" for e in range(E))

@@ -121,6 +121,35 @@ def time_all(T, repeats, which):
     return rows
 
 
+def option_rows(T, repeats) -> dict[str, tuple[float, float | None]]:
+    """fla's options (issue: in-kernel gate, grouped value heads) against the same result composed from plain
+    calls, on the torch path: name -> (fwd s, fwd+bwd s or None)."""
+    from kda_hybrid import chunk_kda
+    from kda_hybrid.kda_torch import kda_gate
+
+    gen = torch.Generator().manual_seed(5)
+    A_log = torch.rand(H, generator=gen).mul(3).log()
+    dt_bias = torch.randn(H * K, generator=gen) * 0.1
+    kw = dict(use_qk_l2norm_in_kernel=True, backend="torch")
+
+    def gate_in_kernel(q, k, v, g, b):
+        return chunk_kda(q, k, v, g, b, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, **kw)[0]
+
+    def gate_composed(q, k, v, g, b):
+        return chunk_kda(q, k, v, kda_gate(g, A_log, dt_bias), b, **kw)[0]
+
+    def gva(q, k, v, g, b):  # one q/k head shared by the H value heads
+        return chunk_kda(q[:, :, :1], k[:, :, :1], v, g, b, **kw)[0]
+
+    def gva_composed(q, k, v, g, b):
+        return chunk_kda(q[:, :, :1].expand_as(v).contiguous(), k[:, :, :1].expand_as(v).contiguous(), v, g, b,
+                         **kw)[0]
+
+    impls = {"in-kernel gate (use_gate_in_kernel)": gate_in_kernel, "gate composed (kda_gate, then chunk_kda)":
+             gate_composed, f"GVA (1 q/k head, {H} value heads)": gva, "GVA composed (q/k repeated)": gva_composed}
+    return {name: time_impl(fn, True, T, repeats) for name, fn in impls.items()}
+
+
 def peak_memory(name, T, backward):
     """Peak extra RSS (bytes) of one call, in a fresh process (this script with --memory-probe)."""
     probe = json.dumps({"name": name, "T": T, "backward": backward})
@@ -162,6 +191,7 @@ def main():
     p.add_argument("--T", type=int, nargs="+", default=[1024, 4096])
     p.add_argument("--only", nargs="*", default=None, help="implementation names to run")
     p.add_argument("--no-memory", action="store_true")
+    p.add_argument("--no-options", action="store_true", help="skip the fla-option rows (in-kernel gate, GVA)")
     p.add_argument("--memory-probe", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.memory_probe:
@@ -194,6 +224,13 @@ def main():
         if ours:
             gf = kda_flops(T) / ours[0] / 1e9
             report.print(f"\nours: {gf:.1f} GFLOP/s forward = {gf / peak:.0%} of the measured matmul rate")
+        if not args.no_options:
+            opts = option_rows(T, args.repeats)
+            report.print("\n| fla option vs composed (torch path) | fwd ms | fwd+bwd ms |\n|---|---|---|")
+            for name, (t_f, t_fb) in opts.items():
+                fb = "n/a" if t_fb is None else f"{t_fb * 1e3:.0f}"
+                report.print(f"| {name} | {t_f * 1e3:.1f} | {fb} |")
+            results["T"][T]["options"] = {n: {"fwd_s": f, "fwd_bwd_s": fb} for n, (f, fb) in opts.items()}
     report.write(results)
 
 

@@ -180,3 +180,25 @@ def test_all_attention_hybrid_exports_back_to_the_same_llama(tmp_path):
     with pytest.raises(ConversionError, match="every layer must be full attention"):
         export_llama(convert(folder, tmp_path / "kA", layer_types="kA", progress=False), tmp_path / "nope")
     assert not (tmp_path / "nope").exists()
+
+
+def test_fp32_tensors_stay_exact_through_dtype_casts(tmp_path):
+    """model.to(bfloat16) keeps RoPE's inv_freq, A_log, dt_bias and the router's weight and bias fp32 and exact: a
+    cast there and back would round them (RoPE angles at position 4096 off by up to 16 rad)."""
+    from kda_hybrid import KDAHybridConfig
+
+    config = KDAHybridConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                             linear_num_heads=2, linear_head_dim=16, attention_type="gqa", num_attention_heads=4,
+                             num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                             rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
+                                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                              "original_max_position_embeddings": 16})
+    model = KDAHybridForCausalLM(config)
+    names = ("inv_freq", "A_log", "dt_bias", "gate.weight", "e_score_correction_bias")
+    exact = {n: t.clone() for n, t in [*model.named_parameters(), *model.named_buffers()] if n.endswith(names)}
+    assert {n.rsplit(".", 1)[-1] for n in exact} >= {"inv_freq", "A_log", "dt_bias", "e_score_correction_bias"}
+    model.to(torch.bfloat16).half().to(torch.bfloat16)
+    now = dict([*model.named_parameters(), *model.named_buffers()])
+    for name, t in exact.items():
+        assert now[name].dtype == torch.float32 and torch.equal(now[name], t), name
+    assert model.lm_head.weight.dtype == torch.bfloat16  # the rest did cast

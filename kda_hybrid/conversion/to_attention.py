@@ -63,7 +63,8 @@ def export_llama(src, dst, *, overwrite: bool = False) -> Path:
         raise ConversionError(f"{dst} already exists; pass overwrite=True to replace it")
     hybrid = KDAHybridForCausalLM.from_pretrained(src).eval()
     dtype = next(hybrid.parameters()).dtype
-    llama = LlamaForCausalLM(llama_config(hybrid.config)).to(dtype).eval()
+    # built in fp32 and cast only for saving: Llama's .to(bf16) would round its RoPE inv_freq buffer too
+    llama = LlamaForCausalLM(llama_config(hybrid.config)).eval()
     missing, unexpected = llama.load_state_dict(hybrid.state_dict(), strict=False)
     missing = [n for n in missing if not (hybrid.config.tie_word_embeddings and n == "lm_head.weight")]
     if missing or unexpected:

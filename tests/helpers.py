@@ -114,6 +114,17 @@ def assert_close_rel(actual, expected, rel=1e-5, name="output"):
     assert err <= rel * scale, f"{name}: max abs error {err:.3e} > {rel:.0e} * scale {scale:.3e}"
 
 
+def assert_all_close(got, ref, names, rel=2e-5):
+    """Pairwise assert_close_rel of two equally long lists (outputs, states, gradients), each `got` finite."""
+    assert len(got) == len(ref) == len(names)
+    for name, a, b in zip(names, got, ref):
+        assert torch.isfinite(a).all(), name
+        assert_close_rel(a, b, rel=rel, name=name)
+
+
+GRAD_NAMES = ["dq", "dk", "dv", "dg", "dbeta", "dh0"]  # chunk_grads' order
+
+
 def assert_matches_reference(backend, q, k, v, g, beta, h0):
     """chunk_kda on `backend` (with an initial state, its final state, qk l2norm in the kernel): finite, and output
     and final state within assert_close_rel of the token-by-token reference."""

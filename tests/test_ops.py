@@ -7,7 +7,15 @@ import torch.nn.functional as F
 
 from kda_hybrid import chunk_kda, fused_recurrent_kda
 
-from .helpers import assert_close_rel, assert_matches_reference, chunk_grads, make_inputs, op_grads
+from .helpers import (
+    GRAD_NAMES,
+    assert_all_close,
+    assert_close_rel,
+    assert_matches_reference,
+    chunk_grads,
+    make_inputs,
+    op_grads,
+)
 
 naive = pytest.importorskip("fla.ops.kda.naive", reason="flash-linear-attention (test extra) provides the oracle")
 
@@ -165,9 +173,7 @@ def assert_gradients_match_reference(args, do, ds, **kw):
     path against autograd through the token-by-token reference."""
     kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, **kw)
     got_all, ref_all = chunk_grads("torch", args, do, ds, **kw), chunk_grads("reference", args, do, ds, **kw)
-    for name, got, ref in zip("q k v g beta h0".split(), got_all, ref_all):
-        assert torch.isfinite(got).all(), name
-        assert_close_rel(got, ref, rel=2e-5, name=f"d{name}")
+    assert_all_close(got_all, ref_all, GRAD_NAMES, rel=2e-5)
 
 
 @pytest.mark.parametrize("gate", [1.0, 20.0], ids=["gate1", "gate20"])
@@ -230,8 +236,7 @@ def test_torch_compile_chunk_equals_eager(gate):
         return chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, backend="torch")
 
     eager, compiled = run(op), run(torch.compile(op))
-    for name, got, ref in zip("o s dq dk dv dg dbeta dh0".split(), compiled, eager):
-        assert_close_rel(got, ref, name=name)
+    assert_all_close(compiled, eager, ["o", "s", *GRAD_NAMES], rel=1e-5)
 
 
 def test_torch_compile_fused_recurrent_equals_eager():
@@ -396,9 +401,7 @@ def test_full_reset_gate_matches_fla(op, backend, T):
 
     ours = run(lambda *a: op(*a[:5], initial_state=a[5], output_final_state=True, backend=backend))
     fla = run(lambda *a: naive.naive_recurrent_kda(*a[:5], initial_state=a[5], output_final_state=True))
-    for name, got, ref in zip("o s dq dk dv dg dbeta dh0".split(), ours, fla):
-        assert torch.isfinite(got).all(), name
-        assert_close_rel(got, ref, rel=2e-5, name=name)
+    assert_all_close(ours, fla, ["o", "s", *GRAD_NAMES], rel=2e-5)
 
 
 @pytest.mark.parametrize("op", [chunk_kda, fused_recurrent_kda], ids=["chunk", "recurrent"])
@@ -494,13 +497,6 @@ def outputs_and_grads(fn, args, seed=1):
     loss = loss + (s * torch.randn(s.shape, generator=gen, dtype=s.dtype)).sum()
     loss.backward()
     return [o.detach(), s.detach()] + [x.grad.clone() for x in args]
-
-
-def assert_all_close(got, ref, names, rel=2e-5):
-    assert len(got) == len(ref) == len(names)
-    for name, a, b in zip(names, got, ref):
-        assert torch.isfinite(a).all(), name
-        assert_close_rel(a, b, rel=rel, name=name)
 
 
 NAMES = "o s dq dk dv dg dbeta dh0".split()

@@ -14,7 +14,16 @@ import torch
 from kda_hybrid import chunk_kda, fused_recurrent_kda, kda_ops, kda_stages
 from kda_hybrid.kda_torch import chunk_kda_torch, recurrent_kda_reference
 
-from .helpers import assert_close_rel, assert_matches_reference, chunk_grads, make_inputs, max_err, op_grads
+from .helpers import (
+    GRAD_NAMES,
+    assert_all_close,
+    assert_close_rel,
+    assert_matches_reference,
+    chunk_grads,
+    make_inputs,
+    max_err,
+    op_grads,
+)
 
 pytestmark = pytest.mark.triton
 
@@ -199,8 +208,7 @@ def test_chunk_gradients_long_multi_head():
 
     kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
     got_all, ref_all = chunk_grads("triton", args, do, ds, **kw), chunk_grads("reference", args, do, ds, **kw)
-    for name, got, ref in zip("q k v g beta h0".split(), got_all, ref_all):
-        assert_close_rel(got, ref, rel=2e-5, name=f"d{name}")
+    assert_all_close(got_all, ref_all, GRAD_NAMES, rel=2e-5)
 
 
 def test_decode_in_place_token_by_token_equals_chunked():
@@ -576,9 +584,7 @@ def _compare_all(got, ref, names, rel=2e-5):
     assert_close_rel(o, o_ref, name="o")
     if s_ref is not None:
         assert_close_rel(s, s_ref, name="final state")
-    for name, a, b in zip(names, grads, grads_ref):
-        assert torch.isfinite(a).all(), f"d{name} not finite"
-        assert_close_rel(a, b, rel=rel, name=f"d{name}")
+    assert_all_close(grads, grads_ref, [f"d{name}" for name in names], rel=rel)
 
 
 def test_reset_gate_minus_inf_chunk_and_decode():

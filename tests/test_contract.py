@@ -18,7 +18,7 @@ from kda_hybrid.cache_kda_hybrid import KDALayerState
 from . import helpers
 from .helpers import prompt
 
-# transformers' default routed scaling (1.0), which these tests were written with; the rest is helpers.tiny_model
+# KDAHybridConfig's default routed scaling (1.0), which these tests were written with; the rest is helpers.tiny_model
 tiny_model = functools.partial(helpers.tiny_model, routed_scaling_factor=1.0)
 
 

@@ -42,8 +42,8 @@ REAL_CONFIG = {
 
 # q_lora, tied embeddings, no shared expert, two dense layers, MLA first and last
 VARIANT = tiny_kimi_config(q_lora_rank=10, tie_word_embeddings=True, num_shared_experts=0, first_k_dense_replace=2,
-                      linear_attn_config={"kda_layers": [2, 3, 4], "full_attn_layers": [1, 5], "head_dim": 4,
-                                          "num_heads": 2, "short_conv_kernel_size": 3})
+                           linear_attn_config={"kda_layers": [2, 3, 4], "full_attn_layers": [1, 5], "head_dim": 4,
+                                               "num_heads": 2, "short_conv_kernel_size": 3})
 
 
 def random_state_dict(cfg, *, seed=0, dtype=torch.float32):
@@ -316,7 +316,7 @@ def test_peak_memory_is_about_one_shard(tmp_path):
     if not Path("/proc/self/clear_refs").exists():
         pytest.skip("needs Linux /proc to reset and read the RSS high-water mark")
     cfg = tiny_kimi_config(vocab_size=26000, hidden_size=256, intermediate_size=512, moe_intermediate_size=512,
-                      num_experts=16, num_hidden_layers=5)
+                           num_experts=16, num_hidden_layers=5)
     state = random_state_dict(cfg)
     model_mb = sum(t.numel() * t.element_size() for t in state.values()) / 2**20
     src = save_checkpoint(tmp_path / "src", state, cfg, shards=8)
@@ -457,7 +457,7 @@ def test_gqa_model_has_no_kimi_equivalent(tmp_path):
 
 def test_config_errors(tmp_path):
     cfg = tiny_kimi_config(linear_attn_config={"kda_layers": [1, 2], "full_attn_layers": [4], "head_dim": 8,
-                                          "num_heads": 3, "short_conv_kernel_size": 4})
+                                               "num_heads": 3, "short_conv_kernel_size": 4})
     with pytest.raises(ConversionError, match=r"1-based layers \[3, 5\] are in neither"):
         kimi_inventory(cfg)
     native = {**tiny_kimi_config(), "mlp_layer_types": ["dense", "sparse", "dense", "sparse", "sparse"]}

@@ -10,10 +10,12 @@ import torch
 from transformers.cache_utils import Cache
 
 import kda_hybrid.cache_kda_hybrid as cache_mod
-from kda_hybrid import KDAHybridCache, KDAHybridConfig, KDAHybridForCausalLM
+from kda_hybrid import KDAHybridCache
 from kda_hybrid.cache_kda_hybrid import KDAHybridCacheLayer, KDALayerState, KVLayerState
 
-VOCAB = 97
+from . import helpers
+from .helpers import VOCAB, prompt
+
 FULL, KDA = "full_attention", "linear_attention"
 # Attention first: a crop that fails in a KDA layer used to have cropped layer 0 already
 LAYER_TYPES = [FULL, KDA, KDA, FULL]
@@ -24,24 +26,13 @@ CLOSE = dict(rtol=1e-5, atol=1e-5)
 
 
 def tiny_config(**over):
-    cfg = dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, layer_types=LAYER_TYPES,
-        linear_num_heads=2, linear_head_dim=16, linear_conv_kernel_size=4,
-        attention_type="mla", num_attention_heads=4, num_key_value_heads=2,
-        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
-        pad_token_id=0, bos_token_id=1, eos_token_id=None,
-    )
-    cfg.update(over)
-    return KDAHybridConfig(**cfg)
+    """helpers.tiny_config in this module's layer order (`over` may replace it)."""
+    return helpers.tiny_config(**{"layer_types": LAYER_TYPES, **over})
 
 
 def tiny_model(seed=0, **over):
-    torch.manual_seed(seed)
-    return KDAHybridForCausalLM(tiny_config(**over)).eval()
-
-
-def prompt(B=2, T=9, seed=1):
-    return torch.randint(1, VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
+    """helpers.tiny_model in this module's layer order, default-initialised norms."""
+    return helpers.tiny_model(seed=seed, random_norms=False, **{"layer_types": LAYER_TYPES, **over})
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 meta device equals a fresh model (buffers included), output fields (hidden states, attentions, tuples, gradients),
 4-D masks, padding that holds NaN, position_ids and masks against the cache, and bad input at the boundary."""
 
+import functools
 import math
 
 import pytest
@@ -11,37 +12,14 @@ from transformers import AutoModelForCausalLM
 from transformers.masking_utils import create_causal_mask
 from transformers.utils import logging
 
-from kda_hybrid import KDAHybridCache, KDAHybridConfig, KDAHybridForCausalLM
+from kda_hybrid import KDAHybridCache, KDAHybridForCausalLM
 from kda_hybrid.cache_kda_hybrid import KDALayerState
 
-VOCAB = 97
+from . import helpers
+from .helpers import prompt
 
-
-def tiny_model(attention="mla", moe=False, attn_implementation=None, seed=0, **over):
-    cfg = dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-        linear_num_heads=2, linear_head_dim=16, attention_type=attention, num_attention_heads=4,
-        num_key_value_heads=2, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
-        num_experts=4 if moe else None, num_experts_per_tok=2, moe_intermediate_size=32,
-        pad_token_id=0, eos_token_id=None,
-    )
-    cfg.update(over)
-    config = KDAHybridConfig(**cfg)
-    if attn_implementation is not None:
-        config._attn_implementation = attn_implementation
-    torch.manual_seed(seed)
-    model = KDAHybridForCausalLM(config).eval()
-    with torch.no_grad():  # non-default norms and router bias, so that every tensor matters
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-            elif name.endswith("e_score_correction_bias"):
-                p.normal_(0, 0.1)
-    return model
-
-
-def tokens(B=2, T=9, seed=1):
-    return torch.randint(1, VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
+# KDAHybridConfig's default routed scaling (1.0), which these tests were written with; the rest is helpers.tiny_model
+tiny_model = functools.partial(helpers.tiny_model, routed_scaling_factor=1.0)
 
 
 def left_padded(lengths, seed=2):
@@ -50,7 +28,7 @@ def left_padded(lengths, seed=2):
     ids = torch.zeros(len(lengths), T, dtype=torch.long)
     mask = torch.zeros(len(lengths), T, dtype=torch.long)
     for i, n in enumerate(lengths):
-        ids[i, T - n:] = tokens(1, n, seed + i)[0]
+        ids[i, T - n:] = prompt(1, n, seed + i)[0]
         mask[i, T - n:] = 1
     return ids, mask
 
@@ -108,7 +86,7 @@ def test_every_loading_path_equals_the_fresh_model(saved, path):
         dim, theta = model.config.head_dim, model.config.rope_theta
         expected = torch.tensor([theta ** (-2 * i / dim) for i in range(dim // 2)], dtype=torch.float32)
         torch.testing.assert_close(loaded.model.rotary_emb.inv_freq, expected, rtol=1e-6, atol=0)
-    ids = tokens()
+    ids = prompt()
     with torch.no_grad():
         # same weights and kernels; loaded tensors sit at other memory alignments, where vectorised CPU kernels
         # may split reductions differently: fp32 rounding only (measured <= 6e-8)
@@ -124,7 +102,7 @@ def test_every_loading_path_equals_the_fresh_model(saved, path):
 
 def test_output_flags_from_the_config_as_from_the_call():
     model = tiny_model("gqa", attn_implementation="eager")
-    ids = tokens()
+    ids = prompt()
     with torch.no_grad():
         by_call = model(ids, output_hidden_states=True, output_attentions=True)
         model.config.output_hidden_states = model.config.output_attentions = True
@@ -156,7 +134,7 @@ def test_attentions_from_attention_layers_under_eager_none_for_kda(attention):
         future = torch.ones(9, 9, dtype=torch.bool).triu(1)
         assert torch.all(weights[0][:, future] == 0) and torch.all(real_rows[:, future[3:]] == 0)  # causal
     # a decode step (the cache path) gives the weights of the last row of a full forward over the same tokens
-    nxt = tokens(2, 1, seed=9)
+    nxt = prompt(2, 1, seed=9)
     full_mask = torch.cat((mask, torch.ones(2, 1, dtype=torch.long)), 1)
     with torch.no_grad():
         step = model(nxt, attention_mask=full_mask, cache=out.cache, output_attentions=True)
@@ -178,7 +156,7 @@ def test_attentions_under_sdpa_are_none_with_a_warning():
     target.addHandler(handler)
     try:
         with torch.no_grad():
-            out = model(tokens(), output_attentions=True)
+            out = model(prompt(), output_attentions=True)
     finally:
         target.removeHandler(handler)
     assert out.attentions == (None,) * model.config.num_hidden_layers
@@ -188,7 +166,7 @@ def test_attentions_under_sdpa_are_none_with_a_warning():
 @pytest.mark.parametrize("use_cache", [False, True])
 def test_return_dict_false_is_to_tuple(use_cache):
     model = tiny_model("gqa", attn_implementation="eager")
-    ids = tokens()
+    ids = prompt()
     kw = dict(labels=ids, output_hidden_states=True, output_attentions=True, use_cache=use_cache)
     with torch.no_grad():
         as_dict = model(ids, **kw).to_tuple()
@@ -229,7 +207,7 @@ def test_returned_hidden_states_are_the_graph_tensors(attention):
 
 def test_generate_returns_attentions_and_hidden_states():
     model = tiny_model("mla", attn_implementation="eager")
-    ids = tokens(B=1, T=6)
+    ids = prompt(B=1, T=6)
     out = model.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True,
                          output_attentions=True, output_hidden_states=True)
     assert torch.equal(out.sequences, model.generate(ids, max_new_tokens=4, do_sample=False))
@@ -280,7 +258,7 @@ def test_four_d_mask_equals_two_d_mask_equals_unpadded(attention, impl, kind):
 
 def test_four_d_masks_the_kda_layers_cannot_follow_are_refused_before_any_state_changes():
     model = tiny_model("gqa")
-    ids = tokens(B=1, T=8)
+    ids = prompt(B=1, T=8)
     causal = torch.ones(8, 8, dtype=torch.bool).tril()
     block = causal.clone()
     block[4:, :4] = False  # two packed documents
@@ -319,7 +297,7 @@ def test_nan_padding_embeddings_reach_no_real_token(attention, moe, impl, poison
     ids[0, 6:], mask[0, 6:] = 0, 0  # row 0 right-padded: both kinds of padding
     clean = model.get_input_embeddings()(ids).detach()
     dirty = clean.masked_fill(~mask.bool()[..., None], poison)
-    nxt = tokens(2, 1, seed=7)
+    nxt = prompt(2, 1, seed=7)
     step_mask = torch.cat((mask, torch.ones(2, 1, dtype=torch.long)), 1)
     with torch.no_grad():
         ref = model(inputs_embeds=clean, attention_mask=mask, use_cache=True)
@@ -344,7 +322,7 @@ def test_position_ids_past_zero_are_positions_not_packing():
     """Rows that start past 0 are one document each (transformers reads packing only from restarts inside a row):
     the call gets its cache; GQA's RoPE is relative, so shifted positions give the same logits."""
     model = tiny_model("gqa")
-    ids = tokens(B=2, T=9)
+    ids = prompt(B=2, T=9)
     shifted = torch.stack([torch.arange(5, 14), torch.arange(2, 11)])
     with torch.no_grad():
         ref = model(ids, use_cache=True)
@@ -362,7 +340,7 @@ def kda_only(cache):
 
 def test_packed_position_ids_with_a_cache_asked_for_is_an_error():
     model = tiny_model("mla")
-    ids = tokens(B=1, T=9)
+    ids = prompt(B=1, T=9)
     packed = torch.cat((torch.arange(4), torch.arange(5)))[None]
     with torch.no_grad():
         assert model(ids, position_ids=packed).cache is None  # not asked for (config default): packed, no cache
@@ -383,7 +361,7 @@ def test_decode_mask_must_cover_the_cache(attention):
     with torch.no_grad():
         cache = model(ids, attention_mask=mask, use_cache=True).cache
         before = [t.clone() for t in cache_tensors(cache)]
-        nxt = tokens(2, 1, seed=4)
+        nxt = prompt(2, 1, seed=4)
         with pytest.raises(ValueError, match=r"attention_mask must be \[B, past \+ T\] = \(2, 10\)"):
             model(nxt, attention_mask=torch.ones(2, 1, dtype=torch.long), cache=cache)
         assert cache.get_seq_length() == 9
@@ -399,7 +377,7 @@ def test_gradient_checkpointing_training_takes_no_cache_and_leaves_a_given_one_u
     and a cache passed in is neither written nor counted as holding the tokens."""
     model = tiny_model("mla").train()
     model.gradient_checkpointing_enable()
-    ids = tokens()
+    ids = prompt()
     cache = KDAHybridCache(model.config)
     out = model(ids, cache=cache, use_cache=True, labels=ids)
     out.loss.backward()
@@ -413,8 +391,8 @@ def test_kda_only_model_continues_a_cache_through_generate(with_mask):
     """transformers cuts a restarted prompt to its new tokens only when the cache has an attention layer; a model of
     KDA layers only (a draft, a KDA-only model) must not run the whole sequence again on top of its cache."""
     model = tiny_model("mla", layer_types=["linear_attention"] * 4)
-    first = model.generate(tokens(1, 12), max_new_tokens=5, do_sample=False, return_dict_in_generate=True)
-    ids = torch.cat((first.sequences, tokens(1, 6, seed=5)), 1)
+    first = model.generate(prompt(1, 12), max_new_tokens=5, do_sample=False, return_dict_in_generate=True)
+    ids = torch.cat((first.sequences, prompt(1, 6, seed=5)), 1)
     kw = dict(max_new_tokens=7, do_sample=False)
     if with_mask:  # explicit: generate would read a generated pad token (id 0) as padding in the fresh run
         kw["attention_mask"] = torch.ones_like(ids)
@@ -455,7 +433,7 @@ def test_bad_input_is_a_clear_error_before_any_state_changes(name, kwargs, error
     cache = KDAHybridCache(model.config)
     kwargs = dict(kwargs)
     if "input_ids" not in kwargs and "inputs_embeds" not in kwargs:
-        kwargs["input_ids"] = tokens()
+        kwargs["input_ids"] = prompt()
     with torch.no_grad(), pytest.raises(error, match=match):
         model(cache=cache, **kwargs)
     assert cache.get_seq_length() == 0 and not cache_tensors(cache)
@@ -470,7 +448,7 @@ def test_nothing_is_lost_to_the_boundary_checks():
         ref = model(ids, attention_mask=mask).logits
         for m in (mask.bool(), mask.float()):
             torch.testing.assert_close(model(ids, attention_mask=m).logits, ref, rtol=0, atol=0)
-        plain = tokens()
+        plain = prompt()
         torch.testing.assert_close(model(plain, position_ids=torch.arange(9)[None]).logits, model(plain).logits,
                                    rtol=0, atol=0)
     assert math.isfinite(float(ref[mask.bool()].sum()))

@@ -18,6 +18,7 @@ from kda_hybrid.conversion import ConversionError, convert, convert_state_dict, 
 from kda_hybrid.conversion.__main__ import main as cli_main
 
 from ._native import run_native, save_checkpoint
+from .helpers import assert_close_rel, tiny_kimi_config
 
 # Every tensor name, shape and dtype of the real Kimi-Linear-48B-A3B checkpoint (20,493 rows, gzip: 62 KB).
 FIXTURE = Path(__file__).parent / "fixtures" / "kimi_linear_48b_a3b_tensors.tsv.gz"
@@ -39,28 +40,10 @@ REAL_CONFIG = {
 }
 
 
-def tiny_config(**overrides):
-    """5 layers (MLA at 1-based 4), dense first layer, 4 experts top-2, odd-ish sizes."""
-    cfg = {
-        "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", "vocab_size": 96,
-        "hidden_size": 32, "intermediate_size": 40, "num_hidden_layers": 5, "num_attention_heads": 2,
-        "num_key_value_heads": 2, "kv_lora_rank": 12, "q_lora_rank": None, "qk_nope_head_dim": 8,
-        "qk_rope_head_dim": 4, "v_head_dim": 6, "mla_use_nope": True,
-        "linear_attn_config": {"kda_layers": [1, 2, 3, 5], "full_attn_layers": [4], "head_dim": 8, "num_heads": 3,
-                               "short_conv_kernel_size": 4},
-        "num_experts": 4, "num_experts_per_token": 2, "num_shared_experts": 1, "moe_intermediate_size": 12,
-        "first_k_dense_replace": 1, "routed_scaling_factor": 2.446, "moe_renormalize": True,
-        "moe_router_activation_func": "sigmoid", "tie_word_embeddings": False, "rms_norm_eps": 1e-5,
-        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
-    }
-    cfg.update(overrides)
-    return cfg
-
-
 # q_lora, tied embeddings, no shared expert, two dense layers, MLA first and last
-VARIANT = tiny_config(q_lora_rank=10, tie_word_embeddings=True, num_shared_experts=0, first_k_dense_replace=2,
-                      linear_attn_config={"kda_layers": [2, 3, 4], "full_attn_layers": [1, 5], "head_dim": 4,
-                                          "num_heads": 2, "short_conv_kernel_size": 3})
+VARIANT = tiny_kimi_config(q_lora_rank=10, tie_word_embeddings=True, num_shared_experts=0, first_k_dense_replace=2,
+                           linear_attn_config={"kda_layers": [2, 3, 4], "full_attn_layers": [1, 5], "head_dim": 4,
+                                               "num_heads": 2, "short_conv_kernel_size": 3})
 
 
 def random_state_dict(cfg, *, seed=0, dtype=torch.float32):
@@ -209,7 +192,7 @@ def test_real_dry_run_cast(real_meta):
 # ---------------------------------------------------------------------------------------------------------
 # (c) Round trips on disk are bit-exact; every source layout gives the same tensors
 # ---------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("cfg", [tiny_config(), VARIANT], ids=["tiny", "qlora-tied-noshared"])
+@pytest.mark.parametrize("cfg", [tiny_kimi_config(), VARIANT], ids=["tiny", "qlora-tied-noshared"])
 def test_round_trip_bit_exact(tmp_path, cfg):
     state = random_state_dict(cfg, dtype=torch.bfloat16)
     src = save_checkpoint(tmp_path / "kimi", state, cfg, shards=3)
@@ -256,7 +239,7 @@ def read_folder_file(path):
 
 
 def test_native_fused_and_bin_sources(tmp_path):
-    cfg = tiny_config()
+    cfg = tiny_kimi_config()
     state = random_state_dict(cfg)
     native_cfg = {**cfg, "layer_types": ["linear_attention"] * 3 + ["full_attention", "linear_attention"],
                   "mlp_layer_types": ["dense"] + ["sparse"] * 4}
@@ -281,7 +264,7 @@ def test_native_saved_with_original_names(tmp_path):
     """transformers' default `save_pretrained` (save_original_format=True) reverses its renames, but also
     renames the dense MLP of layer 0 to `block_sparse_moe.{gate,up,down}_proj` (seen with 5.24), which the
     original checkpoint never had. The converter accepts that spelling from a transformers source."""
-    cfg = tiny_config()
+    cfg = tiny_kimi_config()
     state = random_state_dict(cfg)
     saved = {n.replace("layers.0.mlp.", "layers.0.block_sparse_moe."): t for n, t in state.items()}
     native_cfg = {**cfg, "layer_types": ["linear_attention"] * 3 + ["full_attention", "linear_attention"]}
@@ -295,7 +278,7 @@ def test_streams_one_shard_at_a_time(tmp_path, monkeypatch):
     """One source file open at a time, and output buffered up to max_shard_size only."""
     from kda_hybrid.conversion import checkpoint
 
-    cfg = tiny_config(vocab_size=64)
+    cfg = tiny_kimi_config(vocab_size=64)
     src = save_checkpoint(tmp_path / "src", random_state_dict(cfg), cfg, shards=5)
     open_files, widest, buffered = [], [0], [0]
     original_open, original_add = checkpoint.FolderSource.open, checkpoint.ShardWriter.add
@@ -332,8 +315,8 @@ def test_peak_memory_is_about_one_shard(tmp_path):
     shards). Measured in a subprocess, after resetting the kernel's high-water mark past the imports."""
     if not Path("/proc/self/clear_refs").exists():
         pytest.skip("needs Linux /proc to reset and read the RSS high-water mark")
-    cfg = tiny_config(vocab_size=26000, hidden_size=256, intermediate_size=512, moe_intermediate_size=512,
-                      num_experts=16, num_hidden_layers=5)
+    cfg = tiny_kimi_config(vocab_size=26000, hidden_size=256, intermediate_size=512, moe_intermediate_size=512,
+                           num_experts=16, num_hidden_layers=5)
     state = random_state_dict(cfg)
     model_mb = sum(t.numel() * t.element_size() for t in state.values()) / 2**20
     src = save_checkpoint(tmp_path / "src", state, cfg, shards=8)
@@ -355,7 +338,7 @@ def test_peak_memory_is_about_one_shard(tmp_path):
 
 
 def test_cli(tmp_path, capsys):
-    cfg = tiny_config()
+    cfg = tiny_kimi_config()
     src = save_checkpoint(tmp_path / "kimi", random_state_dict(cfg), cfg, shards=2)
     dst = tmp_path / "out"
     assert cli_main([str(src), str(dst), "--from", "kimi_linear", "--unbiased-router", "--dtype", "bfloat16",
@@ -390,7 +373,7 @@ def _corrupt_unknown(state):
 @pytest.mark.parametrize("corrupt", [_corrupt_missing, _corrupt_shape, _corrupt_unknown],
                          ids=["missing", "wrong-shape", "unknown-key"])
 def test_bad_tensors_fail_cleanly(tmp_path, corrupt):
-    cfg = tiny_config()
+    cfg = tiny_kimi_config()
     state = random_state_dict(cfg)
     expected = corrupt(state)
     src = save_checkpoint(tmp_path / "src", state, cfg, shards=2)
@@ -401,7 +384,7 @@ def test_bad_tensors_fail_cleanly(tmp_path, corrupt):
 
 
 def test_truncated_shard_and_index_mismatch(tmp_path):
-    cfg = tiny_config()
+    cfg = tiny_kimi_config()
     src = save_checkpoint(tmp_path / "src", random_state_dict(cfg), cfg, shards=3)
     shard = src / "model-00002-of-00003.safetensors"
     data = shard.read_bytes()
@@ -418,7 +401,7 @@ def test_truncated_shard_and_index_mismatch(tmp_path):
 
 
 def test_failure_mid_stream_keeps_existing_output(tmp_path, monkeypatch):
-    cfg = tiny_config()
+    cfg = tiny_kimi_config()
     src = save_checkpoint(tmp_path / "src", random_state_dict(cfg), cfg, shards=2)
     dst = tmp_path / "out"
     dst.mkdir()
@@ -449,7 +432,7 @@ def test_failure_mid_stream_keeps_existing_output(tmp_path, monkeypatch):
 
 
 def test_pickled_bin_is_refused(tmp_path):
-    cfg = tiny_config()
+    cfg = tiny_kimi_config()
     src = tmp_path / "src"
     src.mkdir()
     (src / "config.json").write_text(json.dumps(cfg))
@@ -473,11 +456,11 @@ def test_gqa_model_has_no_kimi_equivalent(tmp_path):
 
 
 def test_config_errors(tmp_path):
-    cfg = tiny_config(linear_attn_config={"kda_layers": [1, 2], "full_attn_layers": [4], "head_dim": 8,
-                                          "num_heads": 3, "short_conv_kernel_size": 4})
+    cfg = tiny_kimi_config(linear_attn_config={"kda_layers": [1, 2], "full_attn_layers": [4], "head_dim": 8,
+                                               "num_heads": 3, "short_conv_kernel_size": 4})
     with pytest.raises(ConversionError, match=r"1-based layers \[3, 5\] are in neither"):
         kimi_inventory(cfg)
-    native = {**tiny_config(), "mlp_layer_types": ["dense", "sparse", "dense", "sparse", "sparse"]}
+    native = {**tiny_kimi_config(), "mlp_layer_types": ["dense", "sparse", "dense", "sparse", "sparse"]}
     with pytest.raises(ConversionError, match="mlp_layer_types"):
         convert_state_dict({}, native, source="transformers")
 
@@ -493,7 +476,7 @@ def _model_class():
     return KDAHybridForCausalLM
 
 
-@pytest.mark.parametrize("cfg", [tiny_config(), VARIANT], ids=["tiny", "qlora-tied-noshared"])
+@pytest.mark.parametrize("cfg", [tiny_kimi_config(), VARIANT], ids=["tiny", "qlora-tied-noshared"])
 def test_model_parameters_match_inventory(cfg):
     """Our model's own state dict is exactly the inventory the converter validates against."""
     from kda_hybrid.configuration_kda_hybrid import KDAHybridConfig
@@ -512,7 +495,7 @@ def test_model_parameters_match_inventory(cfg):
 
 def test_logits_and_generation_match_native(tmp_path):
     model_cls = _model_class()
-    cfg = tiny_config()
+    cfg = tiny_kimi_config()
     src = save_checkpoint(tmp_path / "kimi", random_state_dict(cfg, seed=1), cfg, shards=3)
     input_ids = torch.randint(3, cfg["vocab_size"], (2, 13), generator=torch.Generator().manual_seed(0))
     # ours -> original, loaded by transformers from the original names: the same function again
@@ -534,8 +517,7 @@ def test_logits_and_generation_match_native(tmp_path):
         model = model_cls.from_pretrained(folder, dtype=torch.float32).eval()
         with torch.no_grad():
             logits = model(input_ids).logits.float()
-            err = (logits - ref["logits"]).abs().max()
-            assert err <= 1e-4 * scale, f"{label}: max abs error {err:.3e} > 1e-4 * {scale:.3e}"
+            assert_close_rel(logits, ref["logits"], rel=1e-4, name=label)
             tokens = model.generate(input_ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
         assert torch.equal(tokens[:, input_ids.shape[1]:], ref["tokens"]), label
 
@@ -551,7 +533,7 @@ def test_logits_and_generation_match_native(tmp_path):
 @pytest.mark.slow
 def test_output_loads_with_trust_remote_code(tmp_path):
     _model_class()
-    cfg = tiny_config()
+    cfg = tiny_kimi_config()
     src = save_checkpoint(tmp_path / "kimi", random_state_dict(cfg), cfg)
     out = convert(src, tmp_path / "ours", progress=False)
     assert {"configuration_kda_hybrid.py", "modeling_kda_hybrid.py"} <= {p.name for p in out.iterdir()}
@@ -574,12 +556,12 @@ def test_output_loads_with_trust_remote_code(tmp_path):
 # ---------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_src(tmp_path_factory):
-    cfg = tiny_config()
+    cfg = tiny_kimi_config()
     return save_checkpoint(tmp_path_factory.mktemp("src") / "kimi", random_state_dict(cfg), cfg, shards=2)
 
 
 def test_overwrite_never_removes_the_source_or_what_contains_it(tmp_path):
-    cfg = tiny_config()
+    cfg = tiny_kimi_config()
     models = tmp_path / "models"
     src = save_checkpoint(models / "kimi", random_state_dict(cfg), cfg, shards=2)
     (models / "notes.txt").write_text("unrelated")
@@ -653,7 +635,7 @@ def test_rerun_removes_dead_runs_staging_but_not_live_ones(tmp_path, tiny_src):
     finally:
         os.close(fd)
     assert leftovers(tmp_path) == sorted(p.name for p in (live, not_ours, other))
-    assert read_folder(dst).keys() == kimi_inventory(tiny_config()).keys()
+    assert read_folder(dst).keys() == kimi_inventory(tiny_kimi_config()).keys()
 
 
 def _digest(folder: Path):
@@ -774,7 +756,7 @@ def _assert_killed_runs_recover(tmp_path, src, *, overwrite, fallback, n_random,
         except ConversionError as err:
             assert not overwrite and state == new_ref and "already exists" in str(err)
         assert _digest(dst) == new_ref and leftovers(dst.parent) == [], f"event {kill_at}: rerun left {dst.parent}"
-        assert len(FolderSource(dst).headers) == len(kimi_inventory(tiny_config()))  # loadable, every tensor
+        assert len(FolderSource(dst).headers) == len(kimi_inventory(tiny_kimi_config()))  # loadable, every tensor
     assert snapshot(src) == src_before
     assert killed >= len(points) - 2  # the points are inside the run, so (almost) every child died there
 
@@ -809,7 +791,7 @@ def test_sigkill_from_outside_at_random_times(tmp_path, seed):
     import time
 
     rng = random.Random(seed)
-    cfg = tiny_config(vocab_size=4000, hidden_size=64, intermediate_size=96, moe_intermediate_size=32)
+    cfg = tiny_kimi_config(vocab_size=4000, hidden_size=64, intermediate_size=96, moe_intermediate_size=32)
     src = save_checkpoint(tmp_path / "kimi", random_state_dict(cfg), cfg, shards=4)
     src_before = snapshot(src)
     new_ref = _digest(convert(src, tmp_path / "new-ref", max_shard_size="50KB", progress=False))

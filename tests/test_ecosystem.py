@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from kda_hybrid.layers_kda_hybrid import _plain_weight
-from tests.test_model import prompt, tiny_model
+
+from .helpers import prompt, tiny_model
 
 # MLA dense and MoE (the absorbed decode path and the router), GQA dense (no absorption, RoPE)
 ARCHS = [

@@ -20,11 +20,9 @@ import kda_hybrid
 from kda_hybrid import KDAHybridCache, KDAHybridConfig
 from kda_hybrid.model_card_kda_hybrid import GENERATED_MARKER, cache_bytes, model_card, write_model_card
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _fake_hub import FakeHub  # noqa: E402
-from _tokenizer import EOS_ID, VOCAB_SIZE, tiny_tokenizer  # noqa: E402
-
-from . import test_model as model_tests  # noqa: E402
+from . import helpers
+from ._fake_hub import FakeHub
+from ._tokenizer import EOS_ID, VOCAB_SIZE, tiny_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PACKAGE_DIR = Path(kda_hybrid.__file__).parent
@@ -40,12 +38,14 @@ THREADS = max(1, min(2, os.cpu_count() or 1))  # as conftest: the child must add
 
 
 def tiny_config(attention="mla", moe=True, **over):
-    return model_tests.tiny_config(attention, moe, vocab_size=VOCAB_SIZE, eos_token_id=EOS_ID, **over)
+    """helpers.tiny_config with MoE and the test tokenizer's vocabulary and EOS."""
+    return helpers.tiny_config(attention, moe, vocab_size=VOCAB_SIZE, eos_token_id=EOS_ID, **over)
 
 
 def tiny_model(attention="mla", moe=True, seed=0):
-    """Non-default norms and router biases (test_model.tiny_model), so every parameter must survive the trip."""
-    return model_tests.tiny_model(attention, moe, seed, vocab_size=VOCAB_SIZE, eos_token_id=EOS_ID)
+    """helpers.tiny_model (non-default norms and router biases, so every parameter must survive the trip) with
+    MoE and the test tokenizer's vocabulary and EOS."""
+    return helpers.tiny_model(attention, moe, seed, vocab_size=VOCAB_SIZE, eos_token_id=EOS_ID)
 
 
 # --------------------------------------------------------------------------------------------------

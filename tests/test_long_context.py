@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import kda_hybrid.layers_kda_hybrid as layers
-from kda_hybrid import KDAHybridCache, KDAHybridConfig, KDAHybridForCausalLM
+from kda_hybrid import KDAHybridCache
 from kda_hybrid.long_context import prefill
 
-from .test_model import VOCAB, prompt, tiny_model
+from .helpers import VOCAB, prompt, tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -120,16 +120,8 @@ def test_prefill_rejects_bad_arguments():
 # --------------------------------------------------------------------------------------------------
 
 
-def kda_only_config(**over):
-    cfg = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-               layer_types=["linear_attention"] * 3, linear_num_heads=2, linear_head_dim=16)
-    cfg.update(over)
-    return KDAHybridConfig(**cfg)
-
-
 def test_kda_only_cache_bytes_exactly_constant_in_context():
-    torch.manual_seed(0)
-    model = KDAHybridForCausalLM(kda_only_config()).eval()
+    model = tiny_model(random_norms=False, num_hidden_layers=3, layer_types=["linear_attention"] * 3)
     H, K, width, n_layers, B = 2, 16, 4 - 1, 3, 2
     expected = n_layers * B * (3 * H * K * width + H * K * K) * 4  # q, k, v conv states + fp32 [H, K, V] state
     sizes = set()

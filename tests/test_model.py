@@ -8,35 +8,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 from kda_hybrid import KDAHybridCache, KDAHybridConfig, KDAHybridForCausalLM
 from kda_hybrid.cache_kda_hybrid import KDALayerState, KVLayerState
 
-VOCAB = 97
-
-
-def tiny_config(attention="mla", moe=False, **over):
-    cfg = dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-        linear_num_heads=2, linear_head_dim=16, linear_conv_kernel_size=4,
-        attention_type=attention, num_attention_heads=4, num_key_value_heads=2,
-        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
-        num_experts=4 if moe else None, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
-        first_k_dense_replace=1, routed_scaling_factor=1.5,
-        pad_token_id=0, bos_token_id=1, eos_token_id=None,
-    )
-    cfg.update(over)
-    return KDAHybridConfig(**cfg)
-
-
-def tiny_model(attention="mla", moe=False, seed=0, **over):
-    torch.manual_seed(seed)
-    model = KDAHybridForCausalLM(tiny_config(attention, moe, **over)).eval()
-    # random (non-default) norms, biases and gates so every parameter matters
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-            elif name.endswith("e_score_correction_bias"):
-                p.normal_(0, 0.1)
-    return model
-
+from .helpers import VOCAB, prompt, tiny_model
 
 VARIANTS = [
     pytest.param("mla", False, id="mla-dense"),
@@ -44,10 +16,6 @@ VARIANTS = [
     pytest.param("gqa", False, id="gqa-dense"),
     pytest.param("gqa", True, id="gqa-moe"),
 ]
-
-
-def prompt(B=2, T=9, seed=1):
-    return torch.randint(1, VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
 
 
 def greedy(model, ids, n=8, **kw):

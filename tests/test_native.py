@@ -7,13 +7,7 @@ import torch
 from kda_hybrid import KDAHybridForCausalLM
 
 from ._native import run_native, save_checkpoint
-from .test_model import prompt, tiny_model
-
-
-def assert_rel_close(actual, expected, rel=1e-4):
-    err = (actual - expected).abs().max()
-    scale = expected.abs().max()
-    assert err <= rel * scale, f"max abs error {err:.3e} > {rel:g} * {scale:.3e}"
+from .helpers import assert_close_rel, prompt, tiny_model
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
@@ -26,7 +20,7 @@ def test_logits_and_greedy_match_native(tmp_path, moe):
     with torch.no_grad():
         ours = model(ids).logits
         ours_tokens = model.generate(ids, max_new_tokens=10, min_new_tokens=10, do_sample=False)[:, 70:]
-    assert_rel_close(ours, native["logits"])
+    assert_close_rel(ours, native["logits"], rel=1e-4, name="logits")
     assert torch.equal(ours_tokens, native["tokens"])
 
 

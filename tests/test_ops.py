@@ -7,43 +7,17 @@ import torch.nn.functional as F
 
 from kda_hybrid import chunk_kda, fused_recurrent_kda
 
+from .helpers import (
+    GRAD_NAMES,
+    assert_all_close,
+    assert_close_rel,
+    assert_matches_reference,
+    chunk_grads,
+    make_inputs,
+    op_grads,
+)
+
 naive = pytest.importorskip("fla.ops.kda.naive", reason="flash-linear-attention (test extra) provides the oracle")
-
-
-def make_inputs(B, T, H, K, V, *, gate=1.0, seed=0, dtype=torch.float32, init_state=False, requires_grad=False):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, T, H, K, generator=gen)
-    # unit-norm keys, as the model feeds them: the delta rule is only contractive for beta * |k|^2 <= 2
-    k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
-    v = torch.randn(B, T, H, V, generator=gen)
-    # log-sigmoid gates as the model produces them, scaled: gate=20 reaches about -20 per token
-    g = F.logsigmoid(torch.randn(B, T, H, K, generator=gen)) * gate
-    beta = torch.rand(B, T, H, generator=gen)
-    h0 = torch.randn(B, H, K, V, generator=gen) if init_state else None
-    xs = [x.to(dtype) for x in (q, k, v, g, beta)]
-    if requires_grad:
-        xs = [x.requires_grad_() for x in xs]
-        if h0 is not None:
-            h0.requires_grad_()
-    return (*xs, h0)
-
-
-def assert_close_rel(actual, expected, rel=1e-5, name="output"):
-    """max |actual - expected| <= rel * max |expected| (error relative to the output scale)."""
-    scale = expected.abs().max().clamp_min(1e-30)
-    err = (actual.float() - expected.float()).abs().max()
-    assert err <= rel * scale, f"{name}: max abs error {err:.3e} > {rel:.0e} * scale {scale:.3e}"
-
-
-def assert_matches_reference(backend, q, k, v, g, beta, h0):
-    """chunk_kda on `backend` (with an initial state, its final state, qk l2norm in the kernel): finite, and output
-    and final state within assert_close_rel of the token-by-token reference."""
-    kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    o, s = chunk_kda(q, k, v, g, beta, backend=backend, **kw)
-    o_ref, s_ref = chunk_kda(q, k, v, g, beta, backend="reference", **kw)
-    assert torch.isfinite(o).all() and torch.isfinite(s).all()
-    assert_close_rel(o, o_ref)
-    assert_close_rel(s, s_ref)
 
 
 SHAPES = [
@@ -197,19 +171,9 @@ def test_decode_inplace_state_update():
 def assert_gradients_match_reference(args, do, ds, **kw):
     """Gradients of (o * do).sum() + (s * ds).sum() for q, k, v, g, beta and the initial state: the torch chunked
     path against autograd through the token-by-token reference."""
-    q, k, v, g, beta, h0 = args
-
-    def grads(backend):
-        for x in args:
-            x.grad = None
-        o, s = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
-                         use_qk_l2norm_in_kernel=True, backend=backend, **kw)
-        ((o * do).sum() + (s * ds).sum()).backward()
-        return [x.grad.clone() for x in args]
-
-    for name, got, ref in zip("q k v g beta h0".split(), grads("torch"), grads("reference")):
-        assert torch.isfinite(got).all(), name
-        assert_close_rel(got, ref, rel=2e-5, name=f"d{name}")
+    kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, **kw)
+    got_all, ref_all = chunk_grads("torch", args, do, ds, **kw), chunk_grads("reference", args, do, ds, **kw)
+    assert_all_close(got_all, ref_all, GRAD_NAMES, rel=2e-5)
 
 
 @pytest.mark.parametrize("gate", [1.0, 20.0], ids=["gate1", "gate20"])
@@ -265,18 +229,14 @@ def test_torch_compile_chunk_equals_eager(gate):
     do, ds = torch.randn(1, 130, 2, 16), torch.randn(1, 2, 16, 16)
 
     def run(fn):
-        for x in args:
-            x.grad = None
-        o, s = fn(*args)
-        ((o * do).sum() + (s * ds).sum()).backward()
-        return [o.detach(), s.detach()] + [x.grad.clone() for x in args]
+        o, s, grads = op_grads(lambda: fn(*args), args, do, ds)
+        return [o, s, *grads]
 
     def op(q, k, v, g, beta, h0):
         return chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, backend="torch")
 
     eager, compiled = run(op), run(torch.compile(op))
-    for name, got, ref in zip("o s dq dk dv dg dbeta dh0".split(), compiled, eager):
-        assert_close_rel(got, ref, name=name)
+    assert_all_close(compiled, eager, ["o", "s", *GRAD_NAMES], rel=1e-5)
 
 
 def test_torch_compile_fused_recurrent_equals_eager():
@@ -436,17 +396,12 @@ def test_full_reset_gate_matches_fla(op, backend, T):
     do, ds = torch.randn_like(v), torch.randn_like(h0)
 
     def run(fn):
-        for x in args:
-            x.grad = None
-        o, s = fn(*args)
-        ((o * do).sum() + (s * ds).sum()).backward()
-        return [o.detach(), s.detach()] + [x.grad.clone() for x in args]
+        o, s, grads = op_grads(lambda: fn(*args), args, do, ds)
+        return [o, s, *grads]
 
     ours = run(lambda *a: op(*a[:5], initial_state=a[5], output_final_state=True, backend=backend))
     fla = run(lambda *a: naive.naive_recurrent_kda(*a[:5], initial_state=a[5], output_final_state=True))
-    for name, got, ref in zip("o s dq dk dv dg dbeta dh0".split(), ours, fla):
-        assert torch.isfinite(got).all(), name
-        assert_close_rel(got, ref, rel=2e-5, name=name)
+    assert_all_close(ours, fla, ["o", "s", *GRAD_NAMES], rel=2e-5)
 
 
 @pytest.mark.parametrize("op", [chunk_kda, fused_recurrent_kda], ids=["chunk", "recurrent"])
@@ -542,13 +497,6 @@ def outputs_and_grads(fn, args, seed=1):
     loss = loss + (s * torch.randn(s.shape, generator=gen, dtype=s.dtype)).sum()
     loss.backward()
     return [o.detach(), s.detach()] + [x.grad.clone() for x in args]
-
-
-def assert_all_close(got, ref, names, rel=2e-5):
-    assert len(got) == len(ref) == len(names)
-    for name, a, b in zip(names, got, ref):
-        assert torch.isfinite(a).all(), name
-        assert_close_rel(a, b, rel=rel, name=name)
 
 
 NAMES = "o s dq dk dv dg dbeta dh0".split()

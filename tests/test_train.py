@@ -20,13 +20,12 @@ from safetensors.torch import load_file
 
 from kda_hybrid import KDAHybridConfig, KDAHybridForCausalLM, training
 
+from . import helpers
+from .helpers import TRAIN_SHAPE
+
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
 
-# 4 layers = 3 KDA + 1 MLA (1-based layer 4), every projection kind present, a few thousand parameters per layer
-TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4, "linear_num_heads": 2,
-        "linear_head_dim": 16, "num_attention_heads": 2, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
-        "qk_rope_head_dim": 4, "v_head_dim": 8}
 SEQ_LEN = 48
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "kv_a_proj_with_mqa", "kv_b_proj"]
 
@@ -78,7 +77,7 @@ def read_log(out: Path) -> list[dict]:
 
 
 def train_args(data: Path, out: Path, *extra: str) -> list[str]:
-    return ["--data", str(data), "--out", str(out), "--config-json", json.dumps(TINY), "--steps", "3",
+    return ["--data", str(data), "--out", str(out), "--config-json", json.dumps(TRAIN_SHAPE), "--steps", "3",
             "--seq-len", str(SEQ_LEN), "--batch-size", "8", "--micro-batch-size", "2", "--lr", "3e-3",
             "--warmup", "1", "--eval-every", "3", "--mixed-precision", "no", "--cpu", *extra]
 
@@ -162,7 +161,7 @@ def test_validation_runs_the_same_forwards_on_every_process(data, monkeypatch):
     single-process figure."""
     from types import SimpleNamespace
 
-    model = KDAHybridForCausalLM(KDAHybridConfig(vocab_size=320, **TINY)).eval()
+    model = KDAHybridForCausalLM(KDAHybridConfig(vocab_size=320, **TRAIN_SHAPE)).eval()
     val = training.load_tokens(data / "val.bin")
     assert training.num_rows(val, SEQ_LEN) == 3
     forwards, sums = {}, {}
@@ -262,10 +261,8 @@ def test_shipped_checkpoint_code_is_the_package_code():
 
 
 def tiny_model(vocab_size: int, seed: int = 0) -> KDAHybridForCausalLM:
-    torch.manual_seed(seed)
-    config = KDAHybridConfig(**{**TINY, "vocab_size": vocab_size, "intermediate_size": 64, "pad_token_id": 0,
-                                "bos_token_id": 1, "eos_token_id": 2, "kv_lora_rank": 16})
-    return KDAHybridForCausalLM(config)
+    """helpers.tiny_model in the training shape (as examples/train.py gets it), default-initialised norms."""
+    return helpers.tiny_model(seed=seed, random_norms=False, vocab_size=vocab_size, eos_token_id=2, **TRAIN_SHAPE)
 
 
 def test_packed_loss_is_the_per_document_loss():

@@ -14,7 +14,16 @@ import torch
 from kda_hybrid import chunk_kda, fused_recurrent_kda, kda_ops, kda_stages
 from kda_hybrid.kda_torch import chunk_kda_torch, recurrent_kda_reference
 
-from .test_ops import assert_close_rel, assert_matches_reference, make_inputs
+from .helpers import (
+    GRAD_NAMES,
+    assert_all_close,
+    assert_close_rel,
+    assert_matches_reference,
+    chunk_grads,
+    make_inputs,
+    max_err,
+    op_grads,
+)
 
 pytestmark = pytest.mark.triton
 
@@ -162,17 +171,10 @@ def test_chunk_gradients_match_reference(B, T, H, K, V, init_state, l2norm, fina
     do = torch.randn(B, T, H, V, generator=gen).to(DEVICE)
     ds = torch.randn(B if cu is None else len(lens), H, K, V, generator=gen).to(DEVICE)
 
-    def grads(backend):
-        for x in args:
-            if x is not None:
-                x.grad = None
-        o, s = chunk_kda(*args[:5], initial_state=args[5], output_final_state=final_state,
-                         use_qk_l2norm_in_kernel=l2norm, cu_seqlens=cu, backend=backend)
-        loss = (o * do).sum() + ((s * ds).sum() if final_state else 0.0)
-        loss.backward()
-        return [None if x is None else x.grad.clone() for x in args]
-
-    for name, got, ref in zip("q k v g beta h0".split(), grads("triton"), grads("reference")):
+    kw = dict(output_final_state=final_state, use_qk_l2norm_in_kernel=l2norm, cu_seqlens=cu)
+    ds = ds if final_state else None
+    got_all, ref_all = chunk_grads("triton", args, do, ds, **kw), chunk_grads("reference", args, do, ds, **kw)
+    for name, got, ref in zip("q k v g beta h0".split(), got_all, ref_all):
         if ref is None:
             continue
         assert torch.isfinite(got).all(), name
@@ -204,16 +206,9 @@ def test_chunk_gradients_long_multi_head():
     do = torch.randn(B, T, H, V, generator=gen).to(DEVICE)
     ds = torch.randn(B, H, K, V, generator=gen).to(DEVICE)
 
-    def grads(backend):
-        for x in args:
-            x.grad = None
-        o, s = chunk_kda(*args[:5], initial_state=args[5], output_final_state=True, use_qk_l2norm_in_kernel=True,
-                         backend=backend)
-        ((o * do).sum() + (s * ds).sum()).backward()
-        return [x.grad.clone() for x in args]
-
-    for name, got, ref in zip("q k v g beta h0".split(), grads("triton"), grads("reference")):
-        assert_close_rel(got, ref, rel=2e-5, name=f"d{name}")
+    kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
+    got_all, ref_all = chunk_grads("triton", args, do, ds, **kw), chunk_grads("reference", args, do, ds, **kw)
+    assert_all_close(got_all, ref_all, GRAD_NAMES, rel=2e-5)
 
 
 def test_decode_in_place_token_by_token_equals_chunked():
@@ -269,9 +264,6 @@ def test_decode_needing_grad_falls_back_to_chunk():
 # ------------------------------------------------------------------------------------------------
 
 
-def _max_err(a, b):
-    return (a.float() - b.float()).abs().max().item()
-
 
 @pytest.mark.skipif(not CUDA, reason="16-bit kernels need CUDA (the interpreter is fp32 only)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -286,8 +278,8 @@ def test_chunk_low_precision_error_bound(T, dtype):
     o_t, s_t = chunk_kda_torch(*low, K ** -0.5, h0, True, True)
     assert o.dtype == dtype and s.dtype == torch.float32
     floor = torch.finfo(dtype).eps * o_ref.abs().max().item()
-    assert _max_err(o, o_ref) <= 2 * _max_err(o_t, o_ref) + floor
-    assert _max_err(s, s_ref) <= 2 * _max_err(s_t, s_ref) + 1e-3 * s_ref.abs().max().item()
+    assert max_err(o, o_ref) <= 2 * max_err(o_t, o_ref) + floor
+    assert max_err(s, s_ref) <= 2 * max_err(s_t, s_ref) + 1e-3 * s_ref.abs().max().item()
 
 
 @pytest.mark.skipif(not CUDA, reason="16-bit kernels need CUDA (the interpreter is fp32 only)")
@@ -303,10 +295,14 @@ def test_chunk_backward_low_precision_error_bound(dtype):
     ds = torch.randn(B, H, K, V, generator=gen).to(DEVICE)
 
     def grads(fn, cast):
+        """op_grads on the inputs cast to `cast` (the state stays fp32), the output compared in fp32."""
         xs = [x.detach().to(cast).requires_grad_() for x in (q, k, v, g, beta)] + [h0.detach().requires_grad_()]
-        o, s = fn(*xs)
-        ((o.float() * do).sum() + (s * ds).sum()).backward()
-        return [x.grad.float() for x in xs]
+
+        def run():
+            o, s = fn(*xs)
+            return o.float(), s
+
+        return [x.float() for x in op_grads(run, xs, do, ds)[2]]
 
     kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
     ref = grads(lambda *x: chunk_kda(*x[:5], initial_state=x[5], backend="reference", **kw), torch.float32)
@@ -314,7 +310,7 @@ def test_chunk_backward_low_precision_error_bound(dtype):
     twin = grads(lambda *x: chunk_kda_torch(*x[:5], K ** -0.5, x[5], True, True), dtype)
     for name, a, b, t in zip("q k v g beta h0".split(), tri, ref, twin):
         floor = torch.finfo(dtype).eps * b.abs().max().item()
-        assert _max_err(a, b) <= 2 * _max_err(t, b) + floor, name
+        assert max_err(a, b) <= 2 * max_err(t, b) + floor, name
 
 
 @pytest.mark.skipif(not CUDA, reason="16-bit kernels need CUDA (the interpreter is fp32 only)")
@@ -332,8 +328,8 @@ def test_decode_bf16_in_place():
         outs.append(o_i)
     o = torch.cat(outs, 1)
     floor = torch.finfo(torch.bfloat16).eps * o_ref.abs().max().item()
-    assert _max_err(o, o_ref) <= 2 * _max_err(o_t, o_ref) + floor
-    assert _max_err(state, s_ref) <= 2 * _max_err(s_t, s_ref) + 1e-5 * s_ref.abs().max().item()
+    assert max_err(o, o_ref) <= 2 * max_err(o_t, o_ref) + floor
+    assert max_err(state, s_ref) <= 2 * max_err(s_t, s_ref) + 1e-5 * s_ref.abs().max().item()
 
 
 @pytest.mark.slow
@@ -582,25 +578,13 @@ def test_stage_gated_products_bwd(stage_data):
 # ------------------------------------------------------------------------------------------------
 
 
-def _grads(fn, leaves, do, dht=None):
-    """Run fn() -> (o, s), backprop <o, do> + <s, dht>; returns (o, s, grads of leaves)."""
-    for x in leaves:
-        x.grad = None
-    o, s = fn()
-    loss = (o * do).sum() + ((s * dht).sum() if dht is not None else 0.0)
-    loss.backward()
-    return o.detach(), (None if s is None else s.detach()), [x.grad.clone() for x in leaves]
-
-
 def _compare_all(got, ref, names, rel=2e-5):
     o, s, grads = got
     o_ref, s_ref, grads_ref = ref
     assert_close_rel(o, o_ref, name="o")
     if s_ref is not None:
         assert_close_rel(s, s_ref, name="final state")
-    for name, a, b in zip(names, grads, grads_ref):
-        assert torch.isfinite(a).all(), f"d{name} not finite"
-        assert_close_rel(a, b, rel=rel, name=f"d{name}")
+    assert_all_close(grads, grads_ref, [f"d{name}" for name in names], rel=rel)
 
 
 def test_reset_gate_minus_inf_chunk_and_decode():
@@ -619,8 +603,8 @@ def test_reset_gate_minus_inf_chunk_and_decode():
     def run(fn):
         return lambda: fn(*leaves[:5], 0.25, leaves[5], True)
 
-    got = _grads(run(kda_triton.chunk_kda_triton), leaves, do, dht)
-    ref = _grads(run(recurrent_kda_reference), leaves, do, dht)
+    got = op_grads(run(kda_triton.chunk_kda_triton), leaves, do, dht)
+    ref = op_grads(run(recurrent_kda_reference), leaves, do, dht)
     assert torch.isfinite(ref[2][3]).all()
     _compare_all(got, ref, "q k v g beta h0".split())
     with torch.no_grad():
@@ -694,7 +678,7 @@ def test_chunk_options_match_fla_naive(gate_form, beta_form):
         return naive.naive_recurrent_kda(leaves[0], leaves[1], leaves[2], g_act, b, 0.25, leaves[5], True)
 
     names = "q k v g beta h0 dt_bias".split() + (["A_log"] if use_A else [])
-    _compare_all(_grads(ours, leaves_all, do, dht), _grads(fla, leaves_all, do, dht), names)
+    _compare_all(op_grads(ours, leaves_all, do, dht), op_grads(fla, leaves_all, do, dht), names)
 
 
 def test_decode_options_gva_gate_state_v_first_match_fla_naive():
@@ -812,4 +796,4 @@ def test_chunk_size_32_matches_reference():
         qr, kr = (x.repeat_interleave(HV // H, 2) for x in leaves[:2])
         return recurrent_kda_reference(qr, kr, *leaves[2:5], 0.25, leaves[5], True, True)
 
-    _compare_all(_grads(ours, leaves, do, dht), _grads(ref, leaves, do, dht), "q k v g beta h0".split())
+    _compare_all(op_grads(ours, leaves, do, dht), op_grads(ref, leaves, do, dht), "q k v g beta h0".split())

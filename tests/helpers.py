@@ -1,0 +1,163 @@
+"""What the test modules share, defined once: tiny model configs and builders, prompts, KDA op inputs, the
+relative-error check and op gradients. Test modules import from here (and from _native, _fake_hub, _tokenizer),
+never from one another."""
+
+import torch
+import torch.nn.functional as F
+
+from kda_hybrid import KDAHybridConfig, KDAHybridForCausalLM, chunk_kda
+
+# --------------------------------------------------------------------------------------------------
+# Tiny models
+# --------------------------------------------------------------------------------------------------
+
+VOCAB = 97
+
+# test_train's shape, also passed to examples/train.py as --config-json: 4 layers = 3 KDA + 1 MLA (1-based layer
+# 4), every projection kind present, a few thousand parameters per layer
+TRAIN_SHAPE = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4, "linear_num_heads": 2,
+               "linear_head_dim": 16, "num_attention_heads": 2, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
+               "qk_rope_head_dim": 4, "v_head_dim": 8}
+
+
+def tiny_config(attention="mla", moe=False, **over):
+    """4 layers (KDA, KDA, KDA, attention), D = 64, 2 KDA heads of 16, MLA latent 16 + rope 4 or GQA 4/2 heads;
+    with `moe`, 4 experts top-2 after one dense layer. `over` replaces any config key."""
+    cfg = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        linear_num_heads=2, linear_head_dim=16, linear_conv_kernel_size=4,
+        attention_type=attention, num_attention_heads=4, num_key_value_heads=2,
+        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+        num_experts=4 if moe else None, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+        first_k_dense_replace=1, routed_scaling_factor=1.5,
+        pad_token_id=0, bos_token_id=1, eos_token_id=None,
+    )
+    cfg.update(over)
+    return KDAHybridConfig(**cfg)
+
+
+def tiny_model(attention="mla", moe=False, seed=0, *, attn_implementation=None, random_norms=True, **over):
+    """KDAHybridForCausalLM(tiny_config(attention, moe, **over)) in eval mode, initialised from `seed`; with
+    `random_norms` (default) non-default norm weights and router biases, so that every parameter matters."""
+    config = tiny_config(attention, moe, **over)
+    if attn_implementation is not None:
+        config._attn_implementation = attn_implementation
+    torch.manual_seed(seed)
+    model = KDAHybridForCausalLM(config).eval()
+    if random_norms:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.uniform_(0.5, 1.5)
+                elif name.endswith("e_score_correction_bias"):
+                    p.normal_(0, 0.1)
+    return model
+
+
+def prompt(B=2, T=9, seed=1):
+    """[B, T] token ids in 1..VOCAB-1 (no pad token), the same for the same seed."""
+    return torch.randint(1, VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def tiny_kimi_config(**overrides):
+    """A Kimi-Linear config.json dict: 5 layers (MLA at 1-based 4), dense first layer, 4 experts top-2, odd-ish
+    sizes."""
+    cfg = {
+        "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", "vocab_size": 96,
+        "hidden_size": 32, "intermediate_size": 40, "num_hidden_layers": 5, "num_attention_heads": 2,
+        "num_key_value_heads": 2, "kv_lora_rank": 12, "q_lora_rank": None, "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 4, "v_head_dim": 6, "mla_use_nope": True,
+        "linear_attn_config": {"kda_layers": [1, 2, 3, 5], "full_attn_layers": [4], "head_dim": 8, "num_heads": 3,
+                               "short_conv_kernel_size": 4},
+        "num_experts": 4, "num_experts_per_token": 2, "num_shared_experts": 1, "moe_intermediate_size": 12,
+        "first_k_dense_replace": 1, "routed_scaling_factor": 2.446, "moe_renormalize": True,
+        "moe_router_activation_func": "sigmoid", "tie_word_embeddings": False, "rms_norm_eps": 1e-5,
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+    }
+    cfg.update(overrides)
+    return cfg
+
+
+# --------------------------------------------------------------------------------------------------
+# KDA ops: inputs, output comparison, gradients
+# --------------------------------------------------------------------------------------------------
+
+
+def make_inputs(B, T, H, K, V, *, gate=1.0, seed=0, dtype=torch.float32, init_state=False, requires_grad=False):
+    """q, k, v [B, T, H, K|V], g [B, T, H, K], beta [B, T, H] and an initial state [B, H, K, V] (or None)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, K, generator=gen)
+    # unit-norm keys, as the model feeds them: the delta rule is only contractive for beta * |k|^2 <= 2
+    k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    v = torch.randn(B, T, H, V, generator=gen)
+    # log-sigmoid gates as the model produces them, scaled: gate=20 reaches about -20 per token
+    g = F.logsigmoid(torch.randn(B, T, H, K, generator=gen)) * gate
+    beta = torch.rand(B, T, H, generator=gen)
+    h0 = torch.randn(B, H, K, V, generator=gen) if init_state else None
+    xs = [x.to(dtype) for x in (q, k, v, g, beta)]
+    if requires_grad:
+        xs = [x.requires_grad_() for x in xs]
+        if h0 is not None:
+            h0.requires_grad_()
+    return (*xs, h0)
+
+
+def max_err(a, b):
+    """max |a - b| in fp32, as a float."""
+    return (a.float() - b.float()).abs().max().item()
+
+
+def assert_close_rel(actual, expected, rel=1e-5, name="output"):
+    """max |actual - expected| <= rel * max |expected| (error relative to the output scale)."""
+    scale = expected.abs().max().clamp_min(1e-30)
+    err = (actual.float() - expected.float()).abs().max()
+    assert err <= rel * scale, f"{name}: max abs error {err:.3e} > {rel:.0e} * scale {scale:.3e}"
+
+
+def assert_all_close(got, ref, names, rel=2e-5):
+    """Pairwise assert_close_rel of two equally long lists (outputs, states, gradients), each `got` finite."""
+    assert len(got) == len(ref) == len(names)
+    for name, a, b in zip(names, got, ref):
+        assert torch.isfinite(a).all(), name
+        assert_close_rel(a, b, rel=rel, name=name)
+
+
+GRAD_NAMES = ["dq", "dk", "dv", "dg", "dbeta", "dh0"]  # chunk_grads' order
+
+
+def assert_matches_reference(backend, q, k, v, g, beta, h0):
+    """chunk_kda on `backend` (with an initial state, its final state, qk l2norm in the kernel): finite, and output
+    and final state within assert_close_rel of the token-by-token reference."""
+    kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o, s = chunk_kda(q, k, v, g, beta, backend=backend, **kw)
+    o_ref, s_ref = chunk_kda(q, k, v, g, beta, backend="reference", **kw)
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    assert_close_rel(o, o_ref)
+    assert_close_rel(s, s_ref)
+
+
+def op_grads(fn, leaves, do, ds=None):
+    """Clear the leaves' gradients, run fn() -> (o, s) and backpropagate (o * do).sum() + (s * ds).sum() (the
+    state term only when `ds` is given). Returns (o, s, grads) detached, grads[i] the gradient of leaves[i]: None
+    for a leaf that is None; a leaf that is not None but gets no gradient fails the test."""
+    for x in leaves:
+        if x is not None:
+            x.grad = None
+    o, s = fn()
+    loss = (o * do).sum()
+    if ds is not None:
+        assert s is not None, "a state gradient ds was given but fn() returned no final state"
+        loss = loss + (s * ds).sum()
+    loss.backward()
+    grads = []
+    for i, x in enumerate(leaves):
+        assert x is None or x.grad is not None, f"leaf {i} got no gradient"
+        grads.append(None if x is None else x.grad.clone())
+    return o.detach(), (None if s is None else s.detach()), grads
+
+
+def chunk_grads(backend, args, do, ds=None, **kw):
+    """op_grads of chunk_kda(q, k, v, g, beta, initial_state=h0, backend=backend, **kw) for args = (q, k, v, g,
+    beta, h0); returns the six gradients (None where h0 is None)."""
+    q, k, v, g, beta, h0 = args
+    return op_grads(lambda: chunk_kda(q, k, v, g, beta, initial_state=h0, backend=backend, **kw), args, do, ds)[2]

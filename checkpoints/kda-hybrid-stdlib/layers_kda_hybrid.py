@@ -69,11 +69,21 @@ class AttentionLayerInputs:
     output_attentions: bool = False  # return the attention weights where the path computes them
 
 
-def _keep_fp32(module: nn.Module, names: tuple[str, ...]):
-    for name in names:
-        p = getattr(module, name)
-        if p.is_floating_point() and p.dtype != torch.float32:
-            p.data = p.data.float()
+def _apply_keeping_fp32(module: nn.Module, apply, names: tuple[str, ...]):
+    """Run `apply()` (nn.Module._apply: .to(dtype), .half(), .cuda(), ...) but keep the fp32 tensors `names` of
+    `module` fp32, values included: a cast to bf16 and back would round them (exp(A_log) by up to 0.4%, RoPE
+    angles at position 4096 by up to 16 rad), so they are restored from the exact tensors, moved to the new
+    device only."""
+    exact = {n: getattr(module, n).data for n in names if getattr(module, n).dtype == torch.float32}
+    apply()
+    for name, old in exact.items():
+        t = getattr(module, name)
+        if t.dtype != torch.float32:
+            if isinstance(t, nn.Parameter):
+                t.data = old.to(t.device)
+            else:
+                setattr(module, name, old.to(t.device))
+    return module
 
 
 def _plain_weight(module: nn.Module, kind: type) -> torch.Tensor | None:
@@ -182,9 +192,8 @@ class KDAHybridDeltaAttention(nn.Module):
         self.o_proj = nn.Linear(H * K, D, bias=False)
 
     def _apply(self, fn, recurse=True):  # A_log and dt_bias stay fp32 through .to(dtype) / .half()
-        super()._apply(fn, recurse)
-        _keep_fp32(self, ("A_log", "dt_bias"))
-        return self
+        return _apply_keeping_fp32(self, lambda: super(KDAHybridDeltaAttention, self)._apply(fn, recurse),
+                                   ("A_log", "dt_bias"))
 
     def _conv(self, conv: nn.Conv1d, x: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
         """Causal depthwise conv + SiLU. x: [B, C, T], state: [B, C, kernel - 1] (the inputs before x)."""
@@ -279,11 +288,12 @@ class KDAHybridDeltaAttention(nn.Module):
                 g=g.detach(), beta=beta.detach(),
                 mask=token_mask if token_mask is not None else torch.ones(B, T, dtype=torch.bool, device=x.device),
             ))
+        # g = -exp(A_log) softplus(.) <= 0 by construction: skip the ops' gate check (a device sync on GPU)
         kw = dict(initial_state=state, output_final_state=cache_layer is not None, use_qk_l2norm_in_kernel=True)
         if has_state and T == 1:  # decode: one recurrent step updating the cached state in place
             o, state = _fused_recurrent_kda(q, k, v, g, beta, inplace_final_state=not recording, **kw)
         else:
-            o, state = chunk_kda(q, k, v, g, beta, **kw)
+            o, state = chunk_kda(q, k, v, g, beta, check_inputs=False, **kw)
 
         if cache_layer is not None:
             if token_mask is None:  # every row ends on a real token: the last (kernel - 1) inputs, copied small
@@ -319,7 +329,7 @@ class KDAHybridDeltaAttention(nn.Module):
             for proj, conv in ((self.q_proj, self.q_conv1d), (self.k_proj, self.k_conv1d), (self.v_proj, self.v_conv1d))
         )
         g, beta = self._gates(x)
-        o, _ = chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
+        o, _ = chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, check_inputs=False)
         return self._output(x, o).view(B, T, D)
 
 
@@ -547,6 +557,10 @@ class KDAHybridRotaryEmbedding(nn.Module):
         inv_freq, self.attention_scaling = self.compute_inv_freq(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
+    def _apply(self, fn, recurse=True):  # inv_freq stays fp32 (and exact) through .to(dtype) / .half()
+        return _apply_keeping_fp32(self, lambda: super(KDAHybridRotaryEmbedding, self)._apply(fn, recurse),
+                                   ("inv_freq",))
+
     @staticmethod
     def compute_inv_freq(config: KDAHybridConfig, device=None) -> tuple[torch.Tensor, float]:
         params = config.rope_parameters or {}
@@ -669,9 +683,8 @@ class KDAHybridRouter(nn.Module):
         )
 
     def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
-        _keep_fp32(self, ("weight", "e_score_correction_bias"))
-        return self
+        return _apply_keeping_fp32(self, lambda: super(KDAHybridRouter, self)._apply(fn, recurse),
+                                   ("weight", "e_score_correction_bias"))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, D] -> (expert indices [N, k], routing weights [N, k] fp32)."""

@@ -85,16 +85,21 @@ def plot(stage_logs: list[Path], path: Path):
 
 
 @torch.no_grad()
-def samples(models: dict, folder: Path, names: list[str], max_new_tokens: int = 64) -> str:
+def samples(models: dict, folder: Path, names: list[str], max_new_tokens: int = 96) -> str:
+    """The same prompts continued by each named model, sampled as the shipped checkpoints' generation_config
+    does (temperature 0.7, top-p 0.95, repetition penalty 1.1), seed 0 for every continuation; greedy decoding of
+    models this small mostly repeats one line."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(folder)
-    out = ["# Samples", "", f"Greedy continuations, {max_new_tokens} new tokens each (examples/distill_report.py).",
-           ""]
+    out = ["# Samples", "", f"{max_new_tokens} new tokens per prompt, sampled with temperature 0.7, top-p 0.95, "
+           "repetition penalty 1.1, seed 0 (examples/distill_report.py).", ""]
     for prompt in PROMPTS:
         ids = tok(prompt, return_tensors="pt").input_ids
         for name in names:
-            seq = models[name].generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+            torch.manual_seed(0)
+            seq = models[name].generate(ids, max_new_tokens=max_new_tokens, do_sample=True, temperature=0.7,
+                                        top_p=0.95, top_k=0, repetition_penalty=1.1,
                                         pad_token_id=tok.pad_token_id)
             out += [f"**{name}**", "", "```python", tok.decode(seq[0], skip_special_tokens=True), "```", ""]
     return "\n".join(out)

@@ -1,0 +1,443 @@
+"""Pure-PyTorch Kimi Delta Attention: the token-by-token ground truth and the fast chunked CPU path.
+
+This module never imports triton. Every function takes the public layout
+
+    q, k: [B, T, H, K]   v: [B, T, H, V]   g: [B, T, H, K] (log decay, <= 0)   beta: [B, T, H]
+    state: [B, H, K, V] fp32
+
+and computes in fp32 whatever the input dtype (float64 inputs: in float64, so that gradcheck runs on these
+paths); outputs are cast back to v's dtype. Inputs are assumed
+to be validated by `kda_ops` (the one public dispatch point).
+
+Recurrence (one head, docs/architecture.md §1, eq. (1) of the Kimi Linear report):
+
+    S <- diag(exp g_t) S
+    S <- S + beta_t k_t (v_t - S^T k_t)^T
+    o_t = S^T (scale q_t)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+L2NORM_EPS = 1e-6  # inside the sqrt, as fla's and the original kernels do
+CHUNK_SIZE = 64  # default tokens per chunk, for every backend; a power of two for the hierarchical gated products
+CHUNK_SIZES = (32, 64)  # the chunk sizes the public ops accept (fla's, so calls move between the two unchanged)
+GROUP_TOKENS = 512  # tokens per group of chunks (see _chunk_fwd_grouped); a multiple of every chunk size
+
+
+def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS, scale: float = 1.0) -> torch.Tensor:
+    """scale * x / sqrt(sum(x^2) + eps) over the last dim (vector_norm is one fused pass)."""
+    return x * (torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() + eps).rsqrt().mul(scale)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the recurrence and the state: float64 for float64 inputs, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel):
+    """fp32 (float64) copies of the inputs, q scaled (and q, k L2-normalised when asked)."""
+    dtype = compute_dtype(v.dtype)
+    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
+    if use_qk_l2norm_in_kernel:
+        return l2norm(q, scale=scale), l2norm(k), v, g, beta
+    return q * scale, k, v, g, beta
+
+
+def kda_gate(g, A_log=None, dt_bias=None, lower_bound=None):
+    """The in-kernel gate of the public ops (use_gate_in_kernel=True), [..., HV, K] raw -> log decay <= 0:
+
+        g = -exp(A_log) * softplus(g + dt_bias)                        (lower_bound None; A_log [HV] required)
+        g = lower_bound * sigmoid(exp(A_log) * (g + dt_bias))          (A_log None: lower_bound * sigmoid(g + dt_bias))
+
+    dt_bias [HV * K] is optional. Computed in the recurrence's dtype; differentiable in g, A_log and dt_bias."""
+    HV, K = g.shape[-2:]
+    x = g.to(compute_dtype(g.dtype))
+    if dt_bias is not None:
+        x = x + dt_bias.to(x.dtype).view(HV, K)
+    a = None if A_log is None else A_log.to(x.dtype).view(HV, 1).exp()
+    if lower_bound is None:
+        return -a * F.softplus(x)
+    return lower_bound * torch.sigmoid(x if a is None else a * x)
+
+
+def _split_varlen(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
+    bounds = cu_seqlens.tolist()
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+# --------------------------------------------------------------------------------------------------
+# Ground truth: token by token.
+# --------------------------------------------------------------------------------------------------
+
+
+def _recurrent(q, k, v, g, beta, state, chunk_states=None):
+    """Token-by-token scan on prepared fp32 tensors (q already scaled). state: [B, H, K, V]. With `chunk_states`
+    (a list and a chunk size) the state entering every chunk is appended to the list."""
+    T = q.shape[1]
+    outs = []
+    for t in range(T):
+        if chunk_states is not None and t % chunk_states[1] == 0:
+            chunk_states[0].append(state)
+        state = state * g[:, t].exp().unsqueeze(-1)  # [B, H, K, V]
+        recall = torch.einsum("bhk,bhkv->bhv", k[:, t], state)
+        delta = beta[:, t].unsqueeze(-1) * (v[:, t] - recall)  # [B, H, V]
+        state = state + k[:, t].unsqueeze(-1) * delta.unsqueeze(-2)
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], state))
+    o = torch.stack(outs, dim=1) if outs else v.new_zeros(v.shape)
+    return o, state
+
+
+def recurrent_kda_reference(
+    q, k, v, g, beta, scale, initial_state=None, output_final_state=False,
+    use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_size=None,
+):
+    """The definition, one token at a time. Differentiable; slow on purpose (it is the oracle).
+
+    With `chunk_size` it also returns the state entering every chunk of chunk_size tokens of every sequence,
+    [B, NT, H, K, V] (varlen: B = 1 and the chunks of all sequences in order), as the chunked paths report them."""
+    dtype = v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    seen = ([], chunk_size) if chunk_size else None
+    spans = [(0, T)] if cu_seqlens is None else _split_varlen(cu_seqlens)
+    n = B if cu_seqlens is None else 1
+    outs, states = [], []
+    for i, (bos, eos) in enumerate(spans):
+        state = q.new_zeros(n, H, K, V) if initial_state is None else initial_state[i * n : (i + 1) * n].to(q.dtype)
+        sl = slice(bos, eos)
+        o, state = _recurrent(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], state, seen)
+        outs.append(o)
+        states.append(state)
+    o = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)).to(dtype)
+    final = (states[0] if len(states) == 1 else torch.cat(states)) if output_final_state else None
+    if seen is None:
+        return o, final
+    return o, final, torch.stack(seen[0], dim=1)
+
+
+# --------------------------------------------------------------------------------------------------
+# Recurrent form for decoding: the same scan, in place when no gradient is needed.
+# --------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def _recurrent_inplace(q, k, v, g, beta, state):
+    """Token-by-token scan that updates `state` ([B, H, K, V] fp32) in place; returns o [B, T, H, V]."""
+    B, T, H, V = v.shape
+    o = v.new_empty(B, T, H, V)
+    for t in range(T):
+        state.mul_(g[:, t].exp().unsqueeze(-1))
+        recall = torch.matmul(k[:, t].unsqueeze(-2), state).squeeze(-2)  # [B, H, V]
+        delta = (v[:, t] - recall).mul_(beta[:, t].unsqueeze(-1))
+        state.add_(k[:, t].unsqueeze(-1) * delta.unsqueeze(-2))
+        o[:, t] = torch.matmul(q[:, t].unsqueeze(-2), state).squeeze(-2)
+    return o
+
+
+def fused_recurrent_kda_torch(
+    q, k, v, g, beta, scale, initial_state=None, output_final_state=False,
+    use_qk_l2norm_in_kernel=False, cu_seqlens=None, inplace_final_state=False,
+):
+    """Recurrent KDA for short T (decode). With `inplace_final_state` and an fp32 initial_state, the
+    state tensor itself is updated and returned (no allocation per step) when no gradient is needed."""
+    needs_grad = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state)
+    )
+    if needs_grad:
+        return recurrent_kda_reference(
+            q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens
+        )
+    dtype = v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
+    B, T, H, K = q.shape
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    if initial_state is None:
+        state = q.new_zeros(N, H, K, v.shape[-1])
+    elif inplace_final_state:
+        state = initial_state
+    else:
+        state = initial_state.to(q.dtype, copy=True)
+    if cu_seqlens is None:
+        o = _recurrent_inplace(q, k, v, g, beta, state)
+    else:  # each sequence updates its own row of the state (a view), so in place holds for packed inputs too
+        o = v.new_empty(v.shape)
+        for i, (bos, eos) in enumerate(_split_varlen(cu_seqlens)):
+            sl = slice(bos, eos)
+            o[:, sl] = _recurrent_inplace(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], state[i : i + 1])
+    return o.to(dtype), (state if output_final_state else None)
+
+
+# --------------------------------------------------------------------------------------------------
+# Chunked form: everything but the state scan is batched over all chunks.
+# --------------------------------------------------------------------------------------------------
+
+
+MAX_BLOCK_DECAY = 60.0  # largest within-block log decay factored through one anchor (e^60 << fp32 max e^88)
+
+
+def _gated_products(q, k, G, seg=None):
+    """A_kk[r, c] = k_r . k_c exp(G_r - G_c) for c < r, and A_qk[r, c] = q_r . k_c exp(G_r - G_c) for c <= r.
+
+    q, k, G: [..., C, K] with G non-increasing along C (cumulative log decay); C a power of two.
+    Returns (A_kk, A_qk), each [..., C, C].
+
+    exp(G_r - G_c) cannot be split naively into exp(G_r) * exp(-G_c): with g = -20 per token the second
+    factor overflows within five tokens. A block of s tokens whose largest per-channel decay is at most
+    MAX_BLOCK_DECAY is done in one matmul anchored at its first row (factors within e^+-60, no overflow,
+    no harmful underflow). Otherwise the block is split: its lower-left quadrant pairs rows after the
+    midpoint with columns up to it, anchored at the midpoint so that both factors are <= 1 (always safe),
+    and the two diagonal halves are treated the same way, down to single tokens if need be. With ordinary
+    decays one 64x64 matmul per chunk does it all; g = -20 per token costs a few more, smaller, levels.
+    `seg` (None, or the running count of full resets [..., C, K]) zeroes the pairs a reset separates: a block
+    with a reset after its first row is always split, so the one-matmul blocks never straddle one.
+    """
+    A_kk, A_qk = _gated_blocks(q.unsqueeze(-3), k.unsqueeze(-3), G.unsqueeze(-3),
+                               None if seg is None else seg.unsqueeze(-3))
+    return A_kk.squeeze(-3), A_qk.squeeze(-3)
+
+
+def _exp_diff(Ga, Gb, seg_a, seg_b):
+    """exp(Ga - Gb) for a token a at or after b, 0 where a full reset (zero decay) lies in (b, a]: with resets the
+    cumulative log decay G leaves them out and `seg` counts them (see _chunk_fwd), so a different count means a
+    reset in between. The -inf goes in before exp, never 0 * exp(...), whose gradient could meet an inf."""
+    if seg_a is None:
+        return torch.exp(Ga - Gb)
+    return torch.exp(torch.where(seg_a == seg_b, Ga - Gb, float("-inf")))
+
+
+def _gated_blocks(q, k, G, seg):
+    """_gated_products on nb diagonal blocks at once: q, k, G [..., nb, s, K] -> (A_kk, A_qk) [..., nb, s, s].
+
+    Built from the quadrants with torch.cat, never by writing into views of a preallocated matrix:
+    torch.compile's aot_autograd rejects in-place writes into views of a tensor that crosses a graph break
+    (the data-dependent decay test below is one), and the two forms cost the same in eager."""
+    s = G.shape[-2]
+    if s == 1 or (float((G[..., 0, :] - G[..., -1, :]).detach().max()) <= MAX_BLOCK_DECAY
+                  and (seg is None or bool((seg[..., 0, :] == seg[..., -1, :]).all()))):
+        anchor = G[..., :1, :]
+        row_f = torch.exp(G - anchor)  # <= 1
+        col_t = (k * torch.exp(anchor - G)).transpose(-1, -2)  # <= e^MAX_BLOCK_DECAY
+        return ((k * row_f) @ col_t).tril(-1), ((q * row_f) @ col_t).tril(0)
+    h = s // 2
+    ref = G[..., h - 1 : h, :]  # [..., nb, 1, K]
+    seg_ref = None if seg is None else seg[..., h - 1 : h, :]
+    row_f = _exp_diff(G[..., h:, :], ref, *_halves(seg, seg_ref, h, True))  # rows after the midpoint, <= 1
+    col_t = (k[..., :h, :] * _exp_diff(ref, G[..., :h, :], *_halves(seg, seg_ref, h, False))).transpose(-1, -2)
+    lower_left = ((k[..., h:, :] * row_f) @ col_t, (q[..., h:, :] * row_f) @ col_t)  # [..., nb, h, h]
+    split = (x if x is None else x.unflatten(-2, (2, h)).flatten(-4, -3) for x in (q, k, G, seg))
+    halves = _gated_blocks(*split)  # [..., 2 nb, h, h]
+    out = []
+    for ll, d in zip(lower_left, halves):
+        d = d.unflatten(-3, (-1, 2))  # [..., nb, 2, h, h]: the upper and the lower diagonal half
+        upper = torch.cat((d[..., 0, :, :], torch.zeros_like(ll)), dim=-1)  # [..., nb, h, s]
+        lower = torch.cat((ll, d[..., 1, :, :]), dim=-1)
+        out.append(torch.cat((upper, lower), dim=-2))  # [..., nb, s, s]
+    return tuple(out)
+
+
+def _halves(seg, seg_ref, h, after):
+    """(seg of the rows after / up to the midpoint, seg of the midpoint) in the order _exp_diff takes them."""
+    if seg is None:
+        return None, None
+    return (seg[..., h:, :], seg_ref) if after else (seg_ref, seg[..., :h, :])
+
+
+def _chunk_fwd(q, k, v, g, beta, state, chunk_size, return_chunk_states=False):
+    """Chunked KDA on prepared fp32 tensors with T a multiple of chunk_size. Returns o, final state (and the
+    state entering every chunk, [B, H, N, K, V], with return_chunk_states)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    C = chunk_size
+    N = T // C
+
+    def chunks(x):  # [B, T, H, D] -> [B, H, N, C, D], contiguous so every matmul below reads it in place
+        return x.unflatten(1, (N, C)).permute(0, 3, 1, 2, 4).contiguous()
+
+    q, k, v = chunks(q), chunks(k), chunks(v)
+    beta = chunks(beta.unsqueeze(-1))  # [B, H, N, C, 1]
+    G = chunks(g).cumsum(-2)  # [B, H, N, C, K], within-chunk cumulative log decay
+    G_last = G[..., -1:, :]  # [B, H, N, 1, K]
+    decay = G.exp()  # <= 1: decay from the chunk start to each token
+    qg, kg = q * decay, k * decay
+    beta_row = beta.transpose(-1, -2)  # [B, H, N, 1, C]
+    decay_last = None  # exp(G_last), unless resets change it
+    if float(-G_last.detach().min()) <= MAX_BLOCK_DECAY:
+        # Common case: no channel decays by more than e^-60 over a chunk, so exp(G_r - G_c) factors through
+        # the chunk start (see _gated_products) and one matmul per product covers the whole chunk.
+        if torch.is_grad_enabled() and (k.requires_grad or G.requires_grad):
+            k_inv = k * torch.exp(-G)  # <= |k| e^60 (not k / decay: its backward squares decay, which underflows)
+        else:
+            k_inv = k / decay  # the same value; one pass instead of negate + exp + multiply
+        A_kk = (kg @ k_inv.transpose(-1, -2)) * beta  # only its strict lower triangle is read below
+        A_qk = (qg @ k_inv.transpose(-1, -2)).tril()
+        k_out = k_inv * G_last.exp()  # = k exp(G_last - G), a product of two bounded factors
+    else:
+        # Full resets: a token whose decay is exactly 0 in this precision (g = -inf, which g <= 0 allows, or
+        # g < -104 in fp32) would put -inf - -inf = NaN into every difference of G. Such tokens leave the
+        # cumulative sum (their g counts as 0) and `seg` counts them per channel; _exp_diff gives 0 across a
+        # reset, which is exp(g) = 0 of the recurrence, with a zero gradient to g there as in the recurrence.
+        g = chunks(g)
+        reset = g.detach().exp() == 0
+        seg = seg_last = None
+        if bool(reset.any()):
+            G = g.masked_fill(reset, 0.0).cumsum(-2)
+            G_last = G[..., -1:, :]
+            seg = reset.cumsum(-2, dtype=torch.int32)
+            seg_last = seg[..., -1:, :]
+            decay = _exp_diff(G, 0.0, seg, 0)
+            qg, kg = q * decay, k * decay
+            decay_last = _exp_diff(G_last, 0.0, seg_last, 0)
+        A_kk, A_qk = _gated_products(q, k, G, seg)
+        A_kk = A_kk * beta
+        k_out = k * _exp_diff(G_last, G, seg_last, seg)
+    k_out = k_out.transpose(-1, -2)  # [B, H, N, K, C]
+
+    # WY form: w = (I + A_kk)^-1 diag(beta) k exp(G), u = (I + A_kk)^-1 diag(beta) v. The unit lower-triangular
+    # inverse reads only the strict lower triangle of A_kk (unitriangular=True); inverting once and
+    # multiplying twice is 1.5x faster on CPU than two triangular solves, and beta scales the C x C inverse's
+    # columns rather than the wider K- and V-channel operands.
+    eye = torch.eye(C, dtype=q.dtype, device=q.device).expand_as(A_kk)
+    A_inv = torch.linalg.solve_triangular(A_kk, eye, upper=False, unitriangular=True) * beta_row
+    w = A_inv @ kg  # [B, H, N, C, K]
+    u = A_inv @ v  # [B, H, N, C, V]
+    decay_last = (G_last.exp() if decay_last is None else decay_last).transpose(-1, -2)  # [B, H, N, K, 1]
+
+    # The only sequential part: the state entering each chunk and the corrected values v_new = u - w S.
+    # Batch and heads are flattened so each step is two baddbmm calls on [B*H, ., .] matrices.
+    w, u, k_out, decay_last = (x.flatten(0, 1) for x in (w, u, k_out, decay_last))
+    state = state.flatten(0, 1)  # [B*H, K, V]
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (w, u, k_out, decay_last, state)):
+        states, v_new = [], []
+        for n in range(N):
+            states.append(state)
+            vn = torch.baddbmm(u[:, n], w[:, n], state, alpha=-1)  # [B*H, C, V]
+            v_new.append(vn)
+            state = torch.baddbmm(state * decay_last[:, n], k_out[:, n], vn)
+        S = torch.stack(states, dim=1).flatten(0, 1)  # [B*H*N, K, V]
+        v_new = torch.stack(v_new, dim=1).flatten(0, 1)  # [B*H*N, C, V]
+    else:  # inference: write straight into preallocated buffers (no per-chunk tensors, no stacking)
+        S = state.new_empty(B * H, N, K, V)
+        v_new = state.new_empty(B * H, N, C, V)
+        for n in range(N):
+            S[:, n] = state
+            torch.baddbmm(u[:, n], w[:, n], state, alpha=-1, out=v_new[:, n])
+            state = torch.baddbmm(state * decay_last[:, n], k_out[:, n], v_new[:, n])
+        S, v_new = S.flatten(0, 1), v_new.flatten(0, 1)
+    o = torch.baddbmm(qg.flatten(0, 2) @ S, A_qk.flatten(0, 2), v_new)  # [B*H*N, C, V]
+    o = o.view(B, H, N, C, V).permute(0, 2, 3, 1, 4).reshape(B, T, H, V)
+    if return_chunk_states:
+        return o, state.unflatten(0, (B, H)), S.view(B, H, N, K, V)
+    return o, state.unflatten(0, (B, H))
+
+
+def _chunk_fwd_grouped(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, state, chunk_size, chunk_states=None):
+    """Chunked KDA over raw inputs (T a multiple of chunk_size), GROUP_TOKENS at a time with the state carried
+    across groups. Every group is batched over its chunks and heads; the grouping only keeps the working set
+    (about 20 tensors of GROUP_TOKENS x H x 128 fp32) in cache: at T=4096, H=4, K=V=128 on one CPU thread,
+    groups of 512 tokens took 118 ms (median; 75 ms best) against 181 ms (136 ms) for all 64 chunks at once,
+    256 and 1024 about as well as 512 (measured interleaved in one process, /tmp-style A/B, loaded machine).
+    `chunk_states` (a list) receives the state entering every chunk, [B, H, N_group, K, V] a group."""
+    T = q.shape[1]
+    outs = []
+    for t0 in range(0, T, GROUP_TOKENS):
+        sl = slice(t0, t0 + GROUP_TOKENS)
+        xs = _prepare(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], scale, use_qk_l2norm_in_kernel)
+        # the chunk states are dropped at once unless asked for: held over the next group they keep the
+        # allocator from reusing their buffer, which cost the common call 5-8% (T = 1024-4096, H = 4, K = V = 128)
+        o, state, *S = _chunk_fwd(*xs, state, chunk_size, chunk_states is not None)
+        outs.append(o)
+        if S:
+            chunk_states.append(S[0])
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), state
+
+
+def _varlen_buckets(spans: list[tuple[int, int]], chunk_size: int) -> dict[int, list[int]]:
+    """Sequence indices by padded length: whole chunks, rounded up to a power of two of them. Each bucket runs as one
+    batch, so a sequence is padded to at most twice its chunk count and there are at most log2(T / chunk) + 1
+    batches, where one batch padded to the longest sequence could compute N x the tokens."""
+    buckets: dict[int, list[int]] = {}
+    for i, (b, e) in enumerate(spans):
+        n_chunks = max(1, -(-(e - b) // chunk_size))
+        buckets.setdefault(chunk_size << (n_chunks - 1).bit_length(), []).append(i)
+    return buckets
+
+
+def _chunk_varlen(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens, chunk_size,
+                  chunk_states=None):
+    """Packed sequences ([1, T, ...], offsets cu_seqlens) through _chunk_fwd_grouped: each bucket of
+    `_varlen_buckets` is gathered into a [n, L, ...] batch with one index per input (padding reads an appended
+    zero token: k = v = g = beta = 0 leaves the state untouched, so final states are exact) and the outputs
+    return to packed order with one index: a few index ops forward and backward, whatever the number of
+    sequences (slicing each sequence out costs one full-size zero fill per sequence in the backward).
+    `chunk_states` (a list) receives the states entering every chunk, [1, NT, H, K, V] in sequence order."""
+    T, H, K, V = q.shape[1], q.shape[2], q.shape[3], v.shape[-1]
+    spans = _split_varlen(cu_seqlens)
+    padded = [torch.cat((x[0], x.new_zeros(1, *x.shape[2:]))) for x in (q, k, v, g, beta)]  # row T = zero token
+    cdtype = compute_dtype(v.dtype)
+    if initial_state is None:
+        initial_state = q.new_zeros(len(spans), H, K, V, dtype=cdtype)
+    src = torch.empty(T, dtype=torch.long)  # packed token -> its row in the concatenated bucket outputs
+    outs, states, order, offset = [], [], [], 0
+    per_seq = {}  # sequence -> its chunk states [n_chunks, H, K, V]
+    for L, members in _varlen_buckets(spans, chunk_size).items():
+        idx = torch.full((len(members), L), T, dtype=torch.long)
+        for r, i in enumerate(members):
+            b, e = spans[i]
+            idx[r, : e - b] = torch.arange(b, e)
+            src[b:e] = torch.arange(offset + r * L, offset + r * L + e - b)
+        idx = idx.to(q.device)
+        xs = [x[idx] for x in padded]
+        seen = [] if chunk_states is not None else None
+        o, state = _chunk_fwd_grouped(*xs, scale, use_qk_l2norm_in_kernel, initial_state[members].to(cdtype),
+                                      chunk_size, seen)
+        if seen is not None:
+            S = torch.cat(seen, dim=2)  # [n, H, L / C, K, V]
+            for r, i in enumerate(members):
+                per_seq[i] = S[r, :, : -(-(spans[i][1] - spans[i][0]) // chunk_size)].transpose(0, 1)
+        outs.append(o.reshape(-1, H, V))
+        states.append(state)
+        order.extend(members)
+        offset += len(members) * L
+    o = torch.cat(outs)[src.to(q.device)].unsqueeze(0)
+    state = torch.cat(states)[torch.argsort(torch.tensor(order, device=q.device))]
+    if chunk_states is not None:
+        chunk_states.append(torch.cat([per_seq[i] for i in range(len(spans))]).unsqueeze(0))
+    return o, state
+
+
+def chunk_kda_torch(
+    q, k, v, g, beta, scale, initial_state=None, output_final_state=False,
+    use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_size=CHUNK_SIZE, return_intermediate_states=False,
+):
+    """Chunked KDA in plain PyTorch, differentiable through autograd. Exact to fp32 rounding.
+
+    Varlen (`cu_seqlens`) packs run as zero-padded batches of similar length (`_chunk_varlen`). With
+    `return_intermediate_states` a third output holds the state entering every chunk, [B, NT, H, K, V] in the
+    state dtype (varlen: B = 1, the chunks of all sequences in order).
+    """
+    dtype = v.dtype
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    seen = [] if return_intermediate_states else None
+    if cu_seqlens is not None:
+        o, state = _chunk_varlen(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
+                                 chunk_size, seen)
+        o = o.to(dtype)
+        final = state if output_final_state else None
+        return (o, final) if seen is None else (o, final, seen[0])
+
+    pad = -T % chunk_size
+    if pad:
+        q, k, v, g = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
+        beta = F.pad(beta, (0, 0, 0, pad))
+    cdtype = compute_dtype(dtype)
+    state = q.new_zeros(B, H, K, V, dtype=cdtype) if initial_state is None else initial_state.to(cdtype)
+    o, state = _chunk_fwd_grouped(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, state, chunk_size, seen)
+    o, final = o[:, :T].to(dtype), (state if output_final_state else None)
+    if seen is None:
+        return o, final
+    return o, final, torch.cat(seen, dim=2).transpose(1, 2)  # [B, NT, H, K, V]

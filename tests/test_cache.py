@@ -415,7 +415,9 @@ API = {
     "prefetch": (lambda c: c.prefetch(0), _unchanged),
     "reorder_cache": (
         lambda c: c.reorder_cache(torch.tensor([1, 0])),
-        lambda m, c, r, b, ref: torch.equal(next_logits(m, c, NEXT.flip(0)), ref.flip(0))),
+        # rows swapped: the same arithmetic at other batch positions, so fp32 tolerance, not bit equality
+        lambda m, c, r, b, ref: torch.testing.assert_close(next_logits(m, c, NEXT.flip(0)), ref.flip(0),
+                                                           **CLOSE) is None),
     "reset": (
         lambda c: c.reset(),
         lambda m, c, r, b, ref: c.get_seq_length() == 0

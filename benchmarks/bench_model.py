@@ -147,6 +147,8 @@ def main():
     parser.add_argument("--native-contexts", type=int, nargs="+", default=[256, 4096],
                    help="decode contexts against native (default 256 4096)")
     parser.add_argument("--skip-native", action="store_true", help="no comparison with native kimi_linear")
+    parser.add_argument("--compile-decode", action="store_true",
+                        help="add ours with the decode step under torch.compile(dynamic=True) (compiles once, ~1 min)")
     args = parser.parse_args()
     for name in ("contexts", "native_contexts"):
         if min(getattr(args, name)) < 1:
@@ -159,8 +161,11 @@ def main():
     ours = Contestant("ours", KDAHybridForCausalLM(tiny_6p5m()).eval())
     torch.manual_seed(0)
     llama = Contestant("Llama", LlamaForCausalLM(llama_twin_6p5m()).eval())
-    # Variants of ours (say a compiled decode step) join this list and get their own columns and ratios.
+    # Variants of ours join this list and get their own columns and ratios.
     contestants = [ours, llama]
+    if args.compile_decode:  # the same weights; the cache grows every step, so the compiled graph is dynamic in T
+        contestants.insert(1, Contestant("ours, compiled decode", ours.model,
+                                         step=torch.compile(ours.model, dynamic=True)))
     n_ours = sum(w.numel() for w in ours.model.parameters())
     n_llama = sum(w.numel() for w in llama.model.parameters())
     report.print(f"# CPU fp32, batch 1, {args.threads} thread(s); ours: {n_ours / 1e6:.2f}M-parameter KDA hybrid "

@@ -43,7 +43,7 @@ class Contestant:
     step: Callable | None = None
 
     def decode_step(self, tok, cache):
-        fn = self.step or self.model
+        fn = self.step if self.step is not None else self.model
         return fn(tok, cache=cache, use_cache=True, logits_to_keep=1)
 
 

@@ -361,8 +361,9 @@ def run_two_processes(model, tmp_path, ids, mode="tp"):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
                                                          os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
+    # as a module of the tests package (its relative imports need one), from the repository root on PYTHONPATH
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           __file__, str(folder), mode]
+           "-m", "tests.test_ecosystem", str(folder), mode]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     return [torch.load(folder / f"rank{r}.pt") for r in range(2)]

@@ -253,10 +253,13 @@ class KDAHybridModel(KDAHybridPreTrainedModel):
         hidden_states = inputs_embeds
         all_hidden = (hidden_states,) if output_hidden_states else None
         all_attentions = () if output_attentions else None
-        for layer in self.layers:
+        # the layer kind from the config, not from the layer: pipeline parallelism swaps the layers another stage runs
+        # for identity layers, which return the hidden states alone
+        for layer, kind in zip(self.layers, self.config.layer_types):
             if token_mask is not None:  # padding enters no layer with its values (NaN, inf): selected, not multiplied
                 hidden_states = torch.where(token_mask[..., None], hidden_states, 0)
-            hidden_states, weights = layer(hidden_states, layer_inputs=layer_inputs[layer.layer_type], cache=cache)
+            out = layer(hidden_states, layer_inputs=layer_inputs[kind], cache=cache)
+            hidden_states, weights = out if isinstance(out, tuple) else (out, None)
             if output_hidden_states:
                 all_hidden += (hidden_states,)
             if output_attentions:

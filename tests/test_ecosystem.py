@@ -383,10 +383,9 @@ TP_SHARDED = (  # one parameter of every planned kind: (name, dim that splits in
 )
 
 
-@pytest.mark.slow  # two torchrun processes: 15 s on a quiet machine, a minute on a loaded one
-@pytest.mark.parametrize("attention,moe,over", [
+@pytest.mark.parametrize("attention,moe,over", [  # two torchrun processes: about 15 s each
     pytest.param("mla", True, {"q_lora_rank": 12}, id="mla-qlora-moe"),
-    pytest.param("gqa", False, {}, id="gqa-dense"),
+    pytest.param("gqa", False, {}, id="gqa-dense", marks=pytest.mark.slow),
 ])
 def test_tensor_parallel_two_processes_equal_one(attention, moe, over, tmp_path):
     """KDA heads, MLA heads (q_lora: q_b_proj) or GQA heads (2 key/value heads, one per process), the dense MLP,

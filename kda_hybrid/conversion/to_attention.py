@@ -7,18 +7,19 @@
 This is how examples/distill.py's teacher is made here: a Llama-architecture model trained by examples/train.py
 (`--all-attention --config-json '{"attention_type": "gqa"}'`), exported, then converted into a hybrid with
 `--layer-types`. The export loads the whole model in memory (meant for models that fit), checks that the Llama it
-writes computes the same logits as the hybrid it came from, and publishes the folder atomically.
+writes computes the same logits as the hybrid it came from, and publishes the folder as the converter does
+(publish.Staging: crash-safe, `overwrite` replaces only an earlier output of this tool).
 """
 
 from __future__ import annotations
 
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 from .layout import ConversionError
+from .publish import Staging, check_destination
 
 _CARRIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
             "tokenizer.model")
@@ -59,8 +60,7 @@ def export_llama(src, dst, *, overwrite: bool = False) -> Path:
     from ..modeling_kda_hybrid import KDAHybridForCausalLM
 
     src, dst = Path(src), Path(dst)
-    if dst.exists() and not overwrite:
-        raise ConversionError(f"{dst} already exists; pass overwrite=True to replace it")
+    dst_real = check_destination(src, dst, overwrite=overwrite)  # the converter's rules: never the source, own outputs
     hybrid = KDAHybridForCausalLM.from_pretrained(src).eval()
     dtype = next(hybrid.parameters()).dtype
     # built in fp32 and cast only for saving: Llama's .to(bf16) would round its RoPE inv_freq buffer too
@@ -75,17 +75,15 @@ def export_llama(src, dst, *, overwrite: bool = False) -> Path:
     if not torch.allclose(a, b, rtol=1e-4, atol=1e-4):
         raise ConversionError(f"exported Llama differs from the source (max |diff| {(a - b).abs().max():.2e})")
     llama.to(dtype)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".partial", dir=dst.parent))
-    try:
-        llama.save_pretrained(tmp)
+    dst_real.parent.mkdir(parents=True, exist_ok=True)
+    staging = Staging(dst_real, {"source": src.name, "source_format": "kda_hybrid", "target": "llama"})
+    try:  # published as every conversion is: dst is the old output or the complete new one at every instant
+        llama.save_pretrained(staging.path)
         for name in _CARRIED:
-            if (src / name).is_file() and not (tmp / name).exists():
-                shutil.copyfile(src / name, tmp / name)
-        if dst.exists():
-            shutil.rmtree(dst)
-        tmp.rename(dst)
+            if (src / name).is_file() and not (staging.path / name).exists():
+                shutil.copyfile(src / name, staging.path / name)
+        staging.publish(overwrite=overwrite)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        staging.discard()
         raise
     return dst

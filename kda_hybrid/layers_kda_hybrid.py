@@ -14,7 +14,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .cache_kda_hybrid import KDALayerState, KVLayerState, _Segment, shift_conv_state
 from .configuration_kda_hybrid import KDAHybridConfig
-from .kda_ops import _fused_recurrent_kda, chunk_kda
+from .kda_ops import _fused_recurrent_kda, _resolve, chunk_kda
+from .kda_torch import l2norm, recurrent_step_
 
 SMALL_CONV_TOKENS = 8  # KDA short conv: up to this many new tokens, unfold + multiply instead of conv1d
 ABSORB_MAX_QUERY = 16  # MLA: queries up to this long (decode, draft verification) attend in latent space
@@ -245,6 +246,12 @@ class KDAHybridDeltaAttention(nn.Module):
         documents packed over the flattened B * T tokens (training on packed sequences; no cache, no padding)."""
         if cu_seqlens is not None:
             return self._forward_packed(hidden_states, cu_seqlens)
+        if hidden_states.shape[1] == 1 and token_mask is None and cache_layer is not None \
+                and cache_layer.is_initialized and not cache_layer.record_past and not torch.is_grad_enabled() \
+                and not torch.is_autocast_enabled(hidden_states.device.type):
+            o = self._decode_step(hidden_states, cache_layer)
+            if o is not None:
+                return o
         B, T, _ = hidden_states.shape
         K = self.head_dim  # heads: from the tensors (tensor parallelism gives each process a slice of them)
         perm = inv = None
@@ -308,6 +315,38 @@ class KDAHybridDeltaAttention(nn.Module):
         if inv is not None:
             o = torch.where(token_mask[..., None], _gather_tokens(o, inv), 0)
         return o
+
+    def _decode_step(self, x: torch.Tensor, cache_layer: KDALayerState) -> torch.Tensor | None:
+        """forward() for one new token per row against the cached states, without padding, rollback record or
+        gradient: the same computation in a third of the tensor ops (the q/k/v convs as one multiply-add over
+        the concatenated channels, the recurrence as batched in-place products), which is what a decode step
+        costs on CPU. None when a conv is wrapped or quantised (forward() then calls its module)."""
+        convs = [_plain_weight(conv, nn.Conv1d) for conv in (self.q_conv1d, self.k_conv1d, self.v_conv1d)]
+        if any(w is None for w in convs):
+            return None
+        B, _, D = x.shape
+        K = self.head_dim
+        x2 = x.view(B, D)
+        qkv = torch.cat((self.q_proj(x2), self.k_proj(x2), self.v_proj(x2)), -1)  # [B, 3C]
+        C = qkv.shape[-1] // 3  # H * K, or this process's heads under tensor parallelism
+        before = torch.cat(cache_layer.conv_states, 1).to(qkv.dtype)  # [B, 3C, kernel - 1]
+        window = torch.cat((before, qkv.unsqueeze(-1)), -1)  # [B, 3C, kernel]
+        cache_layer.conv_states = list(window[..., 1:].clone().split(C, 1))  # the last (kernel - 1) inputs
+        qkv = F.silu((window * torch.cat(convs)[:, 0]).sum(-1)).view(B, 3, -1, K)  # [B, 3, H, K]
+        qk = l2norm(qkv[:, :2])  # q and k normalised together
+        f = self.f_b_proj(self.f_a_proj(x2)).float()  # [B, C]
+        g = (-self.A_log.float().exp()).view(-1, 1) * F.softplus(f + self.dt_bias.float()).view(B, -1, K)
+        beta = torch.sigmoid(self.b_proj(x2).float())  # [B, H]
+        state = cache_layer.recurrent_state
+        if _resolve("auto", x.device) == "torch":
+            o = recurrent_step_(qk[:, 0], qk[:, 1], qkv[:, 2], g, beta, state, K**-0.5)  # [B, H, V]
+        else:
+            o, state = _fused_recurrent_kda(qk[:, None, 0], qk[:, None, 1], qkv[:, None, 2], g[:, None], beta[:, None],
+                                            initial_state=state, output_final_state=True, inplace_final_state=True)
+            o = o[:, 0]
+        cache_layer.recurrent_state = state
+        gate = self.g_b_proj(self.g_a_proj(x2)).view(B, -1, K)
+        return self.o_proj(self.o_norm(o, gate).view(B, -1)).view(B, 1, D)
 
     def _gates(self, x):
         B, T, _ = x.shape

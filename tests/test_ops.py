@@ -168,6 +168,25 @@ def test_decode_inplace_state_update():
     assert torch.equal(state2, h0)
 
 
+@pytest.mark.parametrize("l2norm", [False, True], ids=["raw", "l2norm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_single_token_step_matches_fla_naive(l2norm, dtype):
+    """T = 1 in place (the decode step: kda_torch.recurrent_step_, batched [B * H] products) against fla's naive
+    recurrence, K != V, a non-default scale, bf16 inputs with the fp32 state; the state is the caller's tensor."""
+    q, k, v, g, beta, h0 = make_inputs(3, 1, 2, 16, 24, init_state=True, dtype=dtype)
+    k = k * torch.linspace(0.5, 3.0, 16).to(dtype) if l2norm else k
+    state = h0.clone()
+    o, s = fused_recurrent_kda(q, k, v, g, beta, scale=0.3, initial_state=state, inplace_final_state=True,
+                               use_qk_l2norm_in_kernel=l2norm, backend="torch")
+    assert s is state and o.dtype == dtype
+    qn, kn = ((x.float() / torch.sqrt((x.float() ** 2).sum(-1, keepdim=True) + 1e-6) for x in (q, k)) if l2norm
+              else (q.float(), k.float()))
+    o_fla, s_fla = naive.naive_recurrent_kda(qn, kn, v.float(), g.float(), beta.float(), scale=0.3,
+                                             initial_state=h0, output_final_state=True)
+    assert_close_rel(o, o_fla, rel=1e-2 if dtype == torch.bfloat16 else 1e-5)  # bf16: the output rounding
+    assert_close_rel(state, s_fla)
+
+
 def assert_gradients_match_reference(args, do, ds, **kw):
     """Gradients of (o * do).sum() + (s * ds).sum() for q, k, v, g, beta and the initial state: the torch chunked
     path against autograd through the token-by-token reference."""

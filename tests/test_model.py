@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from kda_hybrid import KDAHybridCache, KDAHybridConfig, KDAHybridForCausalLM
+from kda_hybrid import KDAHybridCache, KDAHybridConfig, KDAHybridForCausalLM, layers_kda_hybrid
 from kda_hybrid.cache_kda_hybrid import KDALayerState, KVLayerState
 
 from .helpers import VOCAB, prompt, tiny_model
@@ -565,10 +565,13 @@ def test_attention_path_table():
     assert _paths_taken(gqa, ids[:, 9:10], cache=cache) == "masked"
 
 
+@pytest.mark.parametrize("keys_first", [False, True], ids=["queries-x-keys", "keys-x-queries"])
 @pytest.mark.parametrize("T", [3, 20])
-def test_mla_paths_equal_the_masked_reference(T):
+def test_mla_paths_equal_the_masked_reference(T, keys_first, monkeypatch):
     """One MLA layer over a cache of 11 tokens (row 1: its first 3 are padding): every path gives the eager
-    masked reference's output (T = 3 is the model's latent case, T = 20 its continuation case)."""
+    masked reference's output (T = 3 is the model's latent case, T = 20 its continuation case), with the latent
+    scores in either product order (keys x queries from LATENT_KEYS_FIRST cached tokens on)."""
+    monkeypatch.setattr(layers_kda_hybrid, "LATENT_KEYS_FIRST", 1 if keys_first else 10**9)
     model = tiny_model("mla")
     attn = next(layer.self_attn for layer in model.model.layers if layer.layer_type == "full_attention")
     past = 11

@@ -17,7 +17,6 @@ from .configuration_kda_hybrid import KDAHybridConfig
 from .kda_ops import _fused_recurrent_kda, _resolve, chunk_kda
 from .kda_torch import l2norm, recurrent_step_
 
-SMALL_CONV_TOKENS = 8  # KDA short conv: up to this many new tokens, unfold + multiply instead of conv1d
 ABSORB_MAX_QUERY = 16  # MLA: queries up to this long (decode, draft verification) attend in latent space
 # MLA latent attention from this many cached tokens on: scores as keys x queries (1.6 vs 2.3 ms per layer at 16K
 # cached tokens, 6.8 vs 8.0 ms at 64K, cache not in L3; 1-thread fp32); below, queries x keys (fewer copies)
@@ -200,15 +199,22 @@ class KDAHybridDeltaAttention(nn.Module):
                                    ("A_log", "dt_bias"))
 
     def _conv(self, conv: nn.Conv1d, x: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-        """Causal depthwise conv + SiLU. x: [B, C, T], state: [B, C, kernel - 1] (the inputs before x)."""
-        full = torch.cat((state.to(x.dtype), x), dim=-1)  # [B, C, kernel - 1 + T]
+        """Causal depthwise conv + SiLU in the token-major layout the projections give. x: [B, T, C], state:
+        [B, C, kernel - 1] (the inputs before x) -> [B, T, C].
+
+        One multiply-add per tap over contiguous [T, C] rows: 2.8 ms for T=4096, C=256 where conv1d needs the
+        channel-major copy first (4.6 ms in all, 1 thread), as fast at T=256, and 10x faster than a conv call for a
+        decode token."""
+        T = x.shape[1]
         weight = _plain_weight(conv, nn.Conv1d)
         if weight is None:  # wrapped, hooked or quantised conv: its own forward (no padding: T outputs)
-            return F.silu(conv(full))
-        if x.shape[-1] <= SMALL_CONV_TOKENS:  # decode: a multiply-add beats a convolution call 10x on CPU
-            windows = full.unfold(-1, self.conv_size, 1)  # [B, C, T, kernel]
-            return F.silu((windows * weight[:, None, 0, :]).sum(-1))
-        return F.silu(F.conv1d(full, weight, groups=weight.shape[0]))
+            return F.silu(conv(torch.cat((state.to(x.dtype), x.transpose(1, 2)), -1))).transpose(1, 2)
+        full = torch.cat((state.transpose(1, 2).to(x.dtype), x), dim=1)  # [B, kernel - 1 + T, C]
+        taps = weight[:, 0].t()  # [kernel, C]; tap j reads x[t - (kernel - 1 - j)]
+        out = full[:, -T:] * taps[-1]
+        for j in range(self.conv_size - 1):
+            out.addcmul_(full[:, j : j + T], taps[j])
+        return F.silu(out)
 
     def _packed_conv(self, conv: nn.Conv1d, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """Causal depthwise conv + SiLU over packed documents: taps never reach into the previous document.
@@ -272,18 +278,19 @@ class KDAHybridDeltaAttention(nn.Module):
 
         has_state = cache_layer is not None and cache_layer.is_initialized
         width = self.conv_size - 1
-        conv_inputs = [proj(x).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj)]  # [B, C, T]
+        conv_inputs = [proj(x) for proj in (self.q_proj, self.k_proj, self.v_proj)]  # [B, T, C]
         if has_state:
             conv_before = cache_layer.conv_states
             state = cache_layer.recurrent_state
         else:  # C = H * K, or this process's heads under tensor parallelism
-            conv_before = [xi.new_zeros(B, xi.shape[1], width) for xi in conv_inputs]
+            conv_before = [xi.new_zeros(B, xi.shape[-1], width) for xi in conv_inputs]
             state = None
 
         q, k, v = (
-            self._conv(conv, xi, s).transpose(1, 2).reshape(B, T, -1, K)  # [B, T, H, K]
+            self._conv(conv, xi, s).reshape(B, T, -1, K)  # [B, T, H, K]
             for conv, xi, s in zip((self.q_conv1d, self.k_conv1d, self.v_conv1d), conv_inputs, conv_before)
         )
+        conv_inputs = [xi.transpose(1, 2) for xi in conv_inputs]  # [B, C, T], the cache's channel-major layout
         g, beta = self._gates(x)
         if real is not None:  # padding (compacted to the tail) neither decays nor writes the state
             g = torch.where(real[..., None, None], g, 0)

@@ -29,7 +29,8 @@ GROUP_TOKENS = 512  # tokens per group of chunks (see _chunk_fwd_grouped); a mul
 
 def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS, scale: float = 1.0) -> torch.Tensor:
     """scale * x / sqrt(sum(x^2) + eps) over the last dim (vector_norm is one fused pass)."""
-    return x * (torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() + eps).rsqrt().mul(scale)
+    inv = (torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() + eps).rsqrt()
+    return x * (inv if scale == 1.0 else inv.mul(scale))
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

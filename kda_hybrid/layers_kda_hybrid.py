@@ -348,7 +348,7 @@ class KDAHybridDeltaAttention(nn.Module):
         g = (-self.A_log.float().exp()).view(-1, 1) * F.softplus(f + self.dt_bias.float()).view(B, -1, K)
         beta = torch.sigmoid(self.b_proj(x2).float())  # [B, H]
         state = cache_layer.recurrent_state
-        if _resolve("auto", x.device) == "torch":
+        if _resolve("auto", x.device) == "torch" and state.is_contiguous():
             o = recurrent_step_(qk[:, 0], qk[:, 1], qkv[:, 2], g, beta, state, K**-0.5)  # [B, H, V]
         else:
             o, state = _fused_recurrent_kda(qk[:, None, 0], qk[:, None, 1], qkv[:, None, 2], g[:, None], beta[:, None],

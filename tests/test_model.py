@@ -45,6 +45,47 @@ def test_greedy_with_cache_equals_without(attention, moe):
     torch.testing.assert_close(torch.stack(out.logits, 1), full, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("state_layout", ["contiguous", "strided"])
+def test_decode_step_equals_the_general_path(state_layout, monkeypatch):
+    """A decode token (KDA layers' _decode_step: one conv over q/k/v, batched in-place recurrence; a strided state
+    takes the op's general recurrent path) against the same token through the general path, which a rollback
+    record forces: logits, conv and recurrent states equal, in two rows, over several steps."""
+    calls = {"step": 0, "batched": 0}
+    step, batched = layers_kda_hybrid.KDAHybridDeltaAttention._decode_step, layers_kda_hybrid.recurrent_step_
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            calls[name] += out is not None
+            return out
+        return wrapper
+
+    monkeypatch.setattr(layers_kda_hybrid.KDAHybridDeltaAttention, "_decode_step", counted("step", step))
+    monkeypatch.setattr(layers_kda_hybrid, "recurrent_step_", counted("batched", batched))
+    model = tiny_model("mla")
+    ids = prompt(B=2, T=12)
+    caches = []
+    with torch.no_grad():
+        for record in (False, True):
+            cache = KDAHybridCache(model.config)
+            model(ids[:, :9], cache=cache)
+            if record:
+                cache.activate_past_recording()
+            elif state_layout == "strided":
+                for layer in cache.layers:
+                    if isinstance(layer, KDALayerState):  # same values, transposed storage
+                        layer.recurrent_state = layer.recurrent_state.transpose(-1, -2).contiguous().transpose(-1, -2)
+            caches.append((cache, [model(ids[:, t : t + 1], cache=cache).logits for t in range(9, 12)]))
+    (fast, fast_logits), (general, general_logits) = caches
+    kda_layers = sum(t == "linear_attention" for t in model.config.layer_types)
+    assert calls == {"step": 3 * kda_layers, "batched": 0 if state_layout == "strided" else 3 * kda_layers}
+    torch.testing.assert_close(torch.cat(fast_logits, 1), torch.cat(general_logits, 1), rtol=1e-5, atol=1e-6)
+    for (c1, s1), (c2, s2) in zip(kda_states(fast), kda_states(general)):
+        torch.testing.assert_close(s1, s2, rtol=1e-5, atol=1e-6)
+        for a, b in zip(c1, c2):
+            torch.testing.assert_close(a, b)
+
+
 @pytest.mark.parametrize("chunk", [7, 24], ids=["chunk7-latent", "chunk24-continuation"])
 @pytest.mark.parametrize("attention,moe", VARIANTS[:1] + VARIANTS[3:])
 def test_prefill_in_chunks_equals_one_prefill(attention, moe, chunk):

@@ -29,7 +29,8 @@ GROUP_TOKENS = 512  # tokens per group of chunks (see _chunk_fwd_grouped); a mul
 
 def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS, scale: float = 1.0) -> torch.Tensor:
     """scale * x / sqrt(sum(x^2) + eps) over the last dim (vector_norm is one fused pass)."""
-    return x * (torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() + eps).rsqrt().mul(scale)
+    inv = (torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() + eps).rsqrt()
+    return x * (inv if scale == 1.0 else inv.mul(scale))
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -138,6 +139,25 @@ def _recurrent_inplace(q, k, v, g, beta, state):
     return o
 
 
+@torch.no_grad()
+def recurrent_step_(q, k, v, g, beta, state, scale, use_qk_l2norm_in_kernel=False):
+    """One token per sequence against `state`, updated in place: the scan of `_recurrent_inplace` for T = 1 as
+    batched [B * H] products, a dozen tensor ops in all (a decode step on CPU costs its op count, not its FLOPs).
+
+    q, k [B, H, K], v [B, H, V], g [B, H, K] (log decay), beta [B, H] in any float dtype; state [B, H, K, V]
+    contiguous, in the compute dtype (fp32, or float64). Returns o [B, H, V] in v's dtype."""
+    B, H, K = k.shape
+    V, out_dtype, dtype = v.shape[-1], v.dtype, state.dtype
+    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
+    q, k = (l2norm(q, scale=scale), l2norm(k)) if use_qk_l2norm_in_kernel else (q * scale, k)
+    S = state.view(B * H, K, V)
+    S.mul_(g.exp().view(B * H, K, 1))
+    k = k.reshape(B * H, 1, K)
+    delta = (v.reshape(B * H, 1, V) - torch.bmm(k, S)).mul_(beta.reshape(B * H, 1, 1))  # [B * H, 1, V]
+    S.baddbmm_(k.transpose(1, 2), delta)  # S += k^T delta
+    return torch.bmm(q.reshape(B * H, 1, K), S).view(B, H, V).to(out_dtype)
+
+
 def fused_recurrent_kda_torch(
     q, k, v, g, beta, scale, initial_state=None, output_final_state=False,
     use_qk_l2norm_in_kernel=False, cu_seqlens=None, inplace_final_state=False,
@@ -152,6 +172,11 @@ def fused_recurrent_kda_torch(
             q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens
         )
     dtype = v.dtype
+    if v.shape[1] == 1 and cu_seqlens is None and inplace_final_state and initial_state is not None \
+            and initial_state.dtype == compute_dtype(dtype) and initial_state.is_contiguous():
+        o = recurrent_step_(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], initial_state, scale,
+                            use_qk_l2norm_in_kernel)
+        return o.unsqueeze(1), (initial_state if output_final_state else None)
     q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
     B, T, H, K = q.shape
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1

@@ -950,3 +950,28 @@ def test_unit_lower_inverse_reads_only_the_strict_lower_triangle(C):
     (got,) = torch.autograd.grad(_UnitLowerInverse.apply(A), A, dAi)
     (want,) = torch.autograd.grad(torch.linalg.solve_triangular(eye + A.tril(-1), eye, upper=False), A, dAi)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("B", [1, 2])
+def test_channels_first_inputs_equal_contiguous(B):
+    """q, k, v as the model's short convolution leaves them ([B, 3 H K, T] split into three [B, T, H, K] views whose
+    token dimension is the dense one) take one transpose each into token-major order: output and final state equal
+    those of contiguous copies bit for bit (the same kernels on the same shapes after it), gradients to rounding."""
+    T, H, K = 70, 2, 16
+    q, k, v, g, beta, h0 = make_inputs(B, T, H, K, K, init_state=True)
+    conv_out = torch.cat([x.permute(0, 2, 3, 1).reshape(B, H * K, T) for x in (q, k, v)], dim=1)  # [B, 3 H K, T]
+    views = [x.view(B, H, K, T).permute(0, 3, 1, 2) for x in conv_out.split(H * K, dim=1)]
+    assert views[0].stride(1) == 1 and not views[0].is_contiguous()
+    kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, backend="torch")
+    o, s = chunk_kda(*views, g, beta, **kw)
+    o_ref, s_ref = chunk_kda(q, k, v, g, beta, **kw)
+    assert torch.equal(o, o_ref) and torch.equal(s, s_ref)
+
+    do = torch.randn_like(o)
+    leaves = [conv_out.detach().requires_grad_(), q.detach().requires_grad_(), k.detach().requires_grad_(),
+              v.detach().requires_grad_()]
+    views = [x.view(B, H, K, T).permute(0, 3, 1, 2) for x in leaves[0].split(H * K, dim=1)]
+    (chunk_kda(*views, g, beta, **kw)[0] * do).sum().backward()
+    (chunk_kda(*leaves[1:], g, beta, **kw)[0] * do).sum().backward()
+    got = [x.view(B, H, K, T).permute(0, 3, 1, 2) for x in leaves[0].grad.split(H * K, dim=1)]
+    assert_all_close(got, [x.grad for x in leaves[1:]], ["dq", "dk", "dv"], rel=1e-6)

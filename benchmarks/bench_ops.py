@@ -4,9 +4,10 @@ transformers' native torch fallbacks. fp32, 1 thread (--threads), B=1, H=4, K=V=
     python benchmarks/bench_ops.py                 # T = 1024 and 4096, forward and forward+backward, memory
     python benchmarks/bench_ops.py --T 1024 --repeats 3 --no-memory --out bench_ops.json
 
-Prints medians, ratios against the fastest anchor, our GFLOP/s against the machine's measured fp32 matmul
-rate, and peak extra memory of one forward (each in a fresh subprocess: RSS high-water mark minus the RSS
-before the call).
+Prints medians, ratios against the fastest anchor, our GFLOP/s (forward, and forward+backward) against the
+machine's measured fp32 matmul rate, and peak extra memory of one forward (each in a fresh subprocess: RSS
+high-water mark minus the RSS before the call). Forward+backward is timed for every implementation up to
+--bwd-max-T and for ours at every T. The FLOP convention is `kda_flops`'s.
 """
 
 from __future__ import annotations
@@ -91,33 +92,39 @@ def matmul_gflops():
     return 2 * 1024**3 / t / 1e9
 
 
-def kda_flops(T, C=64):
-    """Useful FLOPs of the chunked algorithm (matmuls only): per chunk and head A_kk and A_qk (C^2 K each),
-    the inverse applied to [K | V] (C^2 (K + V)), w S and k^T v_new (C K V each), q S (C K V), A_qk v_new (C^2 V)."""
+def kda_flops(T, C=64, backward=False):
+    """Useful FLOPs of the chunked algorithm (matmuls only, 2 per multiply-add): per chunk and head A_kk and A_qk
+    (C^2 K each), the inverse applied to [K | V] (C^2 (K + V)), w S and k^T v_new (C K V each), q S (C K V),
+    A_qk v_new (C^2 V); the inverse itself, the exps and the elementwise work are not counted, and an
+    implementation that skips a product (ours never forms w = A^-1 k in the forward) still counts it.
+    With `backward`, forward+backward: 3x the forward, since each product's backward is two products of its
+    size (the standard training count; recomputation in the backward is not counted)."""
     n = -(-T // C) * H
     macs = C * C * K * 2 + C * C * (K + V) + 3 * C * K * V + C * C * V
-    return 2 * macs * n
+    return 2 * macs * n * (3 if backward else 1)
 
 
-def time_impl(fwd, has_bwd, T, repeats) -> tuple[float, float | None]:
-    """(forward s, forward+backward s or None) of one implementation at length T, medians."""
+def time_impl(fwd, has_bwd, T, repeats, bwd_max_T=1024) -> tuple[float, float | None]:
+    """(forward s, forward+backward s or None: none past bwd_max_T) of one implementation at length T, medians."""
     xs = inputs(T)
     with torch.no_grad():
         t_f = timeit(lambda: fwd(*xs), repeats)
     t_fb = None
-    if has_bwd and T <= 1024:
+    if has_bwd and T <= bwd_max_T:
         xg = inputs(T, requires_grad=True)
         t_fb = timeit(lambda: fwd(*xg).sum().backward(), max(1, repeats // 2))
     return t_f, t_fb
 
 
-def time_all(T, repeats, which):
+def time_all(T, repeats, which, bwd_max_T):
     rows = {}
     for name, (fwd, has_bwd) in implementations().items():
         if which and name not in which:
             continue
         slow = name == "ours (reference)" and T > 1024
-        rows[name] = time_impl(fwd, has_bwd, T, max(1, repeats // 3) if slow else repeats)
+        ours = name == "ours (torch chunked)"  # forward+backward at every T
+        rows[name] = time_impl(fwd, has_bwd, T, max(1, repeats // 3) if slow else repeats,
+                               T if ours else bwd_max_T)
     return rows
 
 
@@ -192,6 +199,8 @@ def main():
     p.add_argument("--only", nargs="*", default=None, help="implementation names to run")
     p.add_argument("--no-memory", action="store_true")
     p.add_argument("--no-options", action="store_true", help="skip the fla-option rows (in-kernel gate, GVA)")
+    p.add_argument("--bwd-max-T", type=int, default=1024,
+                   help="longest T at which the anchors' forward+backward is timed (ours: every T)")
     p.add_argument("--memory-probe", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.memory_probe:
@@ -203,7 +212,7 @@ def main():
                  f"B={B} H={H} K={K} V={V}, fp32, {args.threads} thread(s), median of {args.repeats}")
     results = {"matmul_gflops": peak, "T": {}}
     for T in args.T:
-        rows = time_all(T, args.repeats, args.only)
+        rows = time_all(T, args.repeats, args.only, args.bwd_max_T)
         anchors = {n: r for n, r in rows.items() if not n.startswith("ours")}
         best_f = min((r[0] for r in anchors.values()), default=None)
         best_fb = min((r[1] for r in anchors.values() if r[1] is not None), default=None)
@@ -223,7 +232,13 @@ def main():
         ours = rows.get("ours (torch chunked)")
         if ours:
             gf = kda_flops(T) / ours[0] / 1e9
-            report.print(f"\nours: {gf:.1f} GFLOP/s forward = {gf / peak:.0%} of the measured matmul rate")
+            line = f"\nours: {gf:.1f} GFLOP/s forward = {gf / peak:.0%} of the measured matmul rate"
+            results["T"][T]["ours_fwd_gflops"] = gf
+            if ours[1] is not None:
+                gfb = kda_flops(T, backward=True) / ours[1] / 1e9
+                line += f"; {gfb:.1f} GFLOP/s forward+backward = {gfb / peak:.0%}"
+                results["T"][T]["ours_fwd_bwd_gflops"] = gfb
+            report.print(line)
         if not args.no_options:
             opts = option_rows(T, args.repeats)
             report.print("\n| fla option vs composed (torch path) | fwd ms | fwd+bwd ms |\n|---|---|---|")

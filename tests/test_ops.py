@@ -882,3 +882,119 @@ def test_triton_dispatch_passes_options_and_surfaces_missing_ones(monkeypatch):
         chunk_kda(q2, k2, v, g, beta, backend="triton")
     monkeypatch.setattr(kda_ops, "_triton_supports_gva", lambda: True)
     assert torch.equal(chunk_kda(q2, k2, v, g, beta, backend="triton")[0], v)
+
+
+# --------------------------------------------------------------------------------------------------
+# The torch chunked path's fast forms (kda_torch): the anchored gated products, the blocked WY inverse and the
+# custom backwards of the inverse and of the state scan.
+# --------------------------------------------------------------------------------------------------
+
+
+def _max_chunk_decay(g, C=64):
+    """Largest decay -sum(g) across one whole chunk of one channel."""
+    T = g.shape[1] // C * C
+    return (-g.detach()[:, :T].unflatten(1, (-1, C)).sum(2)).max().item()
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_anchored_form_past_the_one_anchor_bound(grad, monkeypatch):
+    """Chunk decays in (MAX_BLOCK_DECAY, MAX_ANCHORED_DECAY] (the 6.5M model's gates at init reach ~100) take the
+    anchored one-matmul form, factors exp(G - G_last / 2) within e^+-60, and never the hierarchy; output, final and
+    intermediate states and every gradient match the token-by-token reference."""
+    from kda_hybrid import kda_torch
+
+    q, k, v, g, beta, h0 = make_inputs(1, 200, 2, 32, 32, gate=1.6, init_state=True, requires_grad=grad)
+    assert kda_torch.MAX_BLOCK_DECAY < _max_chunk_decay(g) <= kda_torch.MAX_ANCHORED_DECAY
+    monkeypatch.setattr(kda_torch, "_gated_products", lambda *a: pytest.fail("took the hierarchy"))
+    if grad:
+        assert_gradients_match_reference((q, k, v, g, beta, h0), torch.randn_like(v), torch.randn_like(h0))
+        return
+    kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, return_intermediate_states=True)
+    with torch.no_grad():
+        got = chunk_kda(q, k, v, g, beta, backend="torch", **kw)
+        ref = chunk_kda(q, k, v, g, beta, backend="reference", **kw)
+    assert_all_close(list(got), list(ref), ["o", "s", "chunk states"], rel=1e-5)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_state_crosses_anchored_and_hierarchical_groups(grad, monkeypatch):
+    """Groups of chunks (GROUP_TOKENS, made 64 here) take their form each on their own: ordinary decay (anchored),
+    then g = -20 per token (the hierarchy), then a full reset g = -inf in a padded last chunk. The state crosses
+    every switch: outputs, final state and gradients match the reference."""
+    from kda_hybrid import kda_torch
+
+    monkeypatch.setattr(kda_torch, "GROUP_TOKENS", 64)
+    q, k, v, g, beta, h0 = make_inputs(1, 170, 2, 16, 8, init_state=True)
+    g = g.clone()
+    g[:, 64:128] *= 20
+    g[:, 150, 1, 3] = float("-inf")
+    args = [x.requires_grad_(grad) for x in (q, k, v, g, beta, h0)]
+    do, ds = torch.randn_like(v), torch.randn_like(h0)
+    if grad:
+        assert_gradients_match_reference(args, do, ds)
+        return
+    assert_matches_reference("torch", q, k, v, g, beta, h0)
+
+
+@pytest.mark.parametrize("gate", [1.0, 30.0], ids=["anchored", "hierarchical"])
+def test_float64_gradcheck_across_chunks_and_groups(gate, monkeypatch):
+    """gradcheck (finite differences) of the torch chunked path over three chunks of 32 in two groups, so that the
+    custom backwards of the state scan (_StateScan) and of the WY inverse are checked across chunk boundaries."""
+    from kda_hybrid import kda_torch
+
+    monkeypatch.setattr(kda_torch, "GROUP_TOKENS", 64)
+    q, k, v, g, beta, h0 = make_inputs(1, 70, 1, 4, 3, gate=gate, init_state=True, dtype=torch.float64)
+    args = [x.double().requires_grad_() for x in (q, k, v, g, beta, h0)]
+
+    def fn(q, k, v, g, beta, h0):
+        return chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, chunk_size=32,
+                         use_qk_l2norm_in_kernel=True, backend="torch")
+
+    assert torch.autograd.gradcheck(fn, tuple(args), fast_mode=True)
+
+
+@pytest.mark.parametrize("C", [32, 64])
+def test_unit_lower_inverse_reads_only_the_strict_lower_triangle(C):
+    """The blocked inverse equals solve_triangular's (I + strict_lower(A))^-1 whatever lies on and above the diagonal
+    (inf and NaN there, as A_kk's masked products may overflow), and its two-matmul backward equals autograd through
+    solve_triangular."""
+    from kda_hybrid.kda_torch import _unit_lower_inverse, _UnitLowerInverse
+
+    gen = torch.Generator().manual_seed(3)
+    L = (torch.randn(6, C, C, generator=gen, dtype=torch.float64) * 0.3).tril(-1)
+    eye = torch.eye(C, dtype=torch.float64).expand_as(L)
+    junk = torch.full_like(L, float("inf")).triu(1) + torch.where(torch.eye(C, dtype=torch.bool), float("nan"), 0.0)
+    ref = torch.linalg.solve_triangular(eye + L, eye, upper=False)
+    torch.testing.assert_close(_unit_lower_inverse(L + junk), ref, rtol=1e-12, atol=1e-12)
+    assert torch.equal(_unit_lower_inverse(L).triu(1), torch.zeros_like(L))
+
+    A = L.clone().requires_grad_()
+    dAi = torch.randn(6, C, C, generator=gen, dtype=torch.float64)
+    (got,) = torch.autograd.grad(_UnitLowerInverse.apply(A), A, dAi)
+    (want,) = torch.autograd.grad(torch.linalg.solve_triangular(eye + A.tril(-1), eye, upper=False), A, dAi)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("B", [1, 2])
+def test_channels_first_inputs_equal_contiguous(B):
+    """q, k, v as the model's short convolution leaves them ([B, 3 H K, T] split into three [B, T, H, K] views whose
+    token dimension is the dense one) take one transpose each into token-major order: output and final state equal
+    those of contiguous copies bit for bit (the same kernels on the same shapes after it), gradients to rounding."""
+    T, H, K = 70, 2, 16
+    q, k, v, g, beta, h0 = make_inputs(B, T, H, K, K, init_state=True)
+    conv_out = torch.cat([x.permute(0, 2, 3, 1).reshape(B, H * K, T) for x in (q, k, v)], dim=1)  # [B, 3 H K, T]
+    views = [x.view(B, H, K, T).permute(0, 3, 1, 2) for x in conv_out.split(H * K, dim=1)]
+    assert views[0].stride(1) == 1 and not views[0].is_contiguous()
+    kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, backend="torch")
+    o, s = chunk_kda(*views, g, beta, **kw)
+    o_ref, s_ref = chunk_kda(q, k, v, g, beta, **kw)
+    assert torch.equal(o, o_ref) and torch.equal(s, s_ref)
+
+    do = torch.randn_like(o)
+    leaves = [conv_out.detach().requires_grad_(), q.detach().requires_grad_(), k.detach().requires_grad_(),
+              v.detach().requires_grad_()]
+    views = [x.view(B, H, K, T).permute(0, 3, 1, 2) for x in leaves[0].split(H * K, dim=1)]
+    (chunk_kda(*views, g, beta, **kw)[0] * do).sum().backward()
+    (chunk_kda(*leaves[1:], g, beta, **kw)[0] * do).sum().backward()
+    got = [x.view(B, H, K, T).permute(0, 3, 1, 2) for x in leaves[0].grad.split(H * K, dim=1)]
+    assert_all_close(got, [x.grad for x in leaves[1:]], ["dq", "dk", "dv"], rel=1e-6)

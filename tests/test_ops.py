@@ -81,12 +81,19 @@ def test_state_carried_across_groups_of_chunks():
     assert_close_rel(s, s_ref)
 
 
-def test_mixed_decay_takes_hierarchical_path():
-    """One channel with huge decay forces the anchored hierarchy; the others keep ordinary decay."""
+def test_mixed_decay_takes_hierarchical_path(monkeypatch):
+    """One channel with huge decay (-30 per token: 960 over a 32-token chunk, past MAX_ANCHORED_DECAY) forces the
+    anchored hierarchy; the others keep ordinary decay."""
+    from kda_hybrid import kda_torch
+
+    calls = []
+    hierarchy = kda_torch._gated_products
+    monkeypatch.setattr(kda_torch, "_gated_products", lambda *a: calls.append(1) or hierarchy(*a))
     q, k, v, g, beta, _ = make_inputs(1, 200, 2, 32, 32)
     g = g.clone()
     g[..., 0, 3] = -30.0
     o, s = chunk_kda(q, k, v, g, beta, output_final_state=True, backend="torch")
+    assert calls, "the hierarchy was not taken"
     o_ref, s_ref = chunk_kda(q, k, v, g, beta, output_final_state=True, backend="reference")
     assert_close_rel(o, o_ref)
     assert_close_rel(s, s_ref)

@@ -197,11 +197,19 @@ def fused_recurrent_kda_torch(
 
 
 # --------------------------------------------------------------------------------------------------
-# Chunked form: everything but the state scan is batched over all chunks.
+# Chunked form: everything but the state scan (and, without autograd, each chunk's output) is batched over the
+# chunks of a group.
 # --------------------------------------------------------------------------------------------------
 
 
-MAX_BLOCK_DECAY = 60.0  # largest within-block log decay factored through one anchor (e^60 << fp32 max e^88)
+MAX_BLOCK_DECAY = 60.0  # largest log factor on either side of an anchored product (e^60 << fp32 max e^88)
+MAX_ANCHORED_DECAY = 2 * MAX_BLOCK_DECAY  # a block decaying at most this much: one matmul, anchored halfway
+INVERSE_BLOCK = 16  # diagonal blocks of the WY inverse solved directly, then merged (see _unit_lower_inverse)
+# Tokens per chunk of the arithmetic whatever chunk_size asks (it then only spaces the intermediate states): the
+# chunked form is exact at any size, and per token it costs 2 C (K + V) + 3 K V multiply-adds, so 32-token chunks
+# do 20% fewer than 64 (K = V = 128). One CPU thread, fp32, H = 4, interleaved: 15% faster at T = 4096 (K = V = 128
+# and 64) and T = 256 (K = V = 64); 16-token chunks were no faster than 32.
+COMPUTE_CHUNK = 32
 
 
 def _gated_products(q, k, G, seg=None):
@@ -212,11 +220,12 @@ def _gated_products(q, k, G, seg=None):
 
     exp(G_r - G_c) cannot be split naively into exp(G_r) * exp(-G_c): with g = -20 per token the second
     factor overflows within five tokens. A block of s tokens whose largest per-channel decay is at most
-    MAX_BLOCK_DECAY is done in one matmul anchored at its first row (factors within e^+-60, no overflow,
-    no harmful underflow). Otherwise the block is split: its lower-left quadrant pairs rows after the
-    midpoint with columns up to it, anchored at the midpoint so that both factors are <= 1 (always safe),
-    and the two diagonal halves are treated the same way, down to single tokens if need be. With ordinary
-    decays one 64x64 matmul per chunk does it all; g = -20 per token costs a few more, smaller, levels.
+    MAX_ANCHORED_DECAY is done in one matmul anchored halfway through its decay (both factors within e^+-60,
+    no overflow, no harmful underflow; the pairs above the diagonal, up to e^120, are masked). Otherwise the
+    block is split: its lower-left quadrant pairs rows after the midpoint with columns up to it, anchored at
+    the midpoint so that both factors are <= 1 (always safe), and the two diagonal halves are treated the same
+    way, down to single tokens if need be. With ordinary decays one 64x64 matmul per chunk does it all;
+    g = -20 per token costs a few more, smaller, levels.
     `seg` (None, or the running count of full resets [..., C, K]) zeroes the pairs a reset separates: a block
     with a reset after its first row is always split, so the one-matmul blocks never straddle one.
     """
@@ -241,11 +250,13 @@ def _gated_blocks(q, k, G, seg):
     torch.compile's aot_autograd rejects in-place writes into views of a tensor that crosses a graph break
     (the data-dependent decay test below is one), and the two forms cost the same in eager."""
     s = G.shape[-2]
-    if s == 1 or (float((G[..., 0, :] - G[..., -1, :]).detach().max()) <= MAX_BLOCK_DECAY
+    if s == 1 or (float((G[..., 0, :] - G[..., -1, :]).detach().max()) <= MAX_ANCHORED_DECAY
                   and (seg is None or bool((seg[..., 0, :] == seg[..., -1, :]).all()))):
-        anchor = G[..., :1, :]
-        row_f = torch.exp(G - anchor)  # <= 1
-        col_t = (k * torch.exp(anchor - G)).transpose(-1, -2)  # <= e^MAX_BLOCK_DECAY
+        anchor = (G[..., :1, :] + G[..., -1:, :]) * 0.5
+        row_f = torch.exp(G - anchor)  # within e^+-MAX_BLOCK_DECAY
+        col_t = (k * torch.exp(anchor - G)).transpose(-1, -2)
+        # above the diagonal exp(G_r - G_c) reaches e^MAX_ANCHORED_DECAY and may overflow: tril drops those
+        # entries (it selects, never multiplies, so an inf there reaches neither the result nor a gradient)
         return ((k * row_f) @ col_t).tril(-1), ((q * row_f) @ col_t).tril(0)
     h = s // 2
     ref = G[..., h - 1 : h, :]  # [..., nb, 1, K]
@@ -271,113 +282,261 @@ def _halves(seg, seg_ref, h, after):
     return (seg[..., h:, :], seg_ref) if after else (seg_ref, seg[..., :h, :])
 
 
-def _chunk_fwd(q, k, v, g, beta, state, chunk_size, return_chunk_states=False):
-    """Chunked KDA on prepared fp32 tensors with T a multiple of chunk_size. Returns o, final state (and the
-    state entering every chunk, [B, H, N, K, V], with return_chunk_states)."""
-    B, T, H, K = q.shape
+def _unit_lower_inverse(A):
+    """(I + strict_lower(A))^-1 for A [M, C, C] (C a power of two), reading nothing on or above A's diagonal (A_kk's
+    upper triangle may hold overflowed products). The diagonal blocks of INVERSE_BLOCK are solved in one batched
+    call, then merged pairwise, [[P, 0], [L, Q]]^-1 = [[P^-1, 0], [-Q^-1 L P^-1, Q^-1]]: two small matmuls per
+    merge instead of a long triangular solve. At C = 64 on one CPU thread (M = 32 chunks x heads) this took
+    0.34-0.45 ms against 0.62 ms for one solve_triangular of the whole matrix (min of 30, /tmp A/B)."""
+    A = A.contiguous()
+    M, C, _ = A.shape
+    s, off = min(C, INVERSE_BLOCK), A.storage_offset()
+    diag = A.as_strided((M, C // s, s, s), (C * C, s * (C + 1), C, 1), off)  # the diagonal blocks, a view
+    eye = torch.eye(s, dtype=A.dtype, device=A.device).expand(diag.shape)
+    D = torch.linalg.solve_triangular(diag, eye, upper=False, unitriangular=True)  # [M, C / s, s, s]
+    while s < C:
+        D = D.unflatten(1, (-1, 2))  # [M, m, 2, s, s]: pairs of diagonal blocks, merged into blocks of 2s
+        P, Q = D[:, :, 0], D[:, :, 1]
+        L = A.as_strided((M, C // (2 * s), s, s), (C * C, 2 * s * (C + 1), C, 1), off + s * C)  # their lower-left
+        low = -(Q @ (L @ P))
+        D = torch.cat((torch.cat((P, torch.zeros_like(P)), -1), torch.cat((low, Q), -1)), -2)  # [M, m, 2s, 2s]
+        s *= 2
+    return D.reshape(M, C, C)
+
+
+class _UnitLowerInverse(torch.autograd.Function):
+    """_unit_lower_inverse with its gradient in two matmuls: d(X^-1) = -X^-1 dX X^-1, so dA = -Ai^T dAi Ai^T on
+    the strict lower triangle (the only entries read); autograd through the blocks would replay every merge."""
+
+    @staticmethod
+    def forward(ctx, A):
+        Ai = _unit_lower_inverse(A)
+        ctx.save_for_backward(Ai)
+        return Ai
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dAi):
+        (Ai,) = ctx.saved_tensors
+        At = Ai.transpose(-1, -2)
+        return (At @ dAi @ At).neg_().tril_(-1)
+
+
+class _StateScan(torch.autograd.Function):
+    """The sequential part of the chunked forward with autograd, one node for all chunks of a group:
+
+        v_new[n] = u[n] - w[n] S[n],   S[n + 1] = trans[n] S[n] + kT[n]^T v_new[n]
+
+    w, u, kT [N, M, C, .], trans [N, M, K, 1], S0 [M, K, V] -> (v_new [N, M, C, V], S [N, M, K, V] the states
+    entering the chunks, the final state [M, K, V]). The backward runs the same recurrence in reverse for the state
+    gradients (two products a chunk) and batches every other gradient over the chunks afterwards, where autograd
+    through the loop replays about ten small nodes a chunk and stacks their gradients: forward+backward at T = 4096,
+    H = 4, K = V = 128 took 201 ms against 210 ms (median of 5, 1 thread; T = 1024 and 256 within noise)."""
+
+    @staticmethod
+    def forward(ctx, w, u, kT, trans, S0):
+        N, M, C, _ = w.shape
+        K, V = S0.shape[-2:]
+        v_new = u.clone()
+        S_all = S0.new_empty(N + 1, M, K, V)
+        S_all[0].copy_(S0)
+        for n in range(N):
+            v_new[n].baddbmm_(w[n], S_all[n], alpha=-1)
+            torch.mul(S_all[n], trans[n], out=S_all[n + 1])
+            S_all[n + 1].baddbmm_(kT[n].transpose(-1, -2), v_new[n])
+        ctx.save_for_backward(w, kT, trans, v_new, S_all)
+        return v_new, S_all[:N], S_all[N]
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dv_new, dS_all, dS):
+        w, kT, trans, v_new, S_all = ctx.saved_tensors
+        N, M, C, _ = w.shape
+        K, V = S_all.shape[-2:]
+        dvn = torch.zeros_like(v_new) if dv_new is None else dv_new.clone()  # becomes the gradient of v_new
+        dS_next = S_all.new_empty(N, M, K, V)  # the gradient of the state leaving each chunk
+        dS = S_all.new_zeros(M, K, V) if dS is None else dS.clone()
+        for n in range(N - 1, -1, -1):
+            dS_next[n].copy_(dS)
+            dvn[n].baddbmm_(kT[n], dS)
+            dS.mul_(trans[n])
+            if dS_all is not None:
+                dS.add_(dS_all[n])
+            dS.baddbmm_(w[n].transpose(-1, -2), dvn[n], alpha=-1)
+        S_in = S_all[:N]
+        dw = -(dvn.flatten(0, 1) @ S_in.flatten(0, 1).transpose(-1, -2)).view(w.shape)
+        dkT = (v_new.flatten(0, 1) @ dS_next.flatten(0, 1).transpose(-1, -2)).view(kT.shape)
+        dtrans = (S_in * dS_next).sum(-1, keepdim=True)
+        return dw, dvn, dkT, dtrans, dS
+
+
+def _l2norm_factor(x, scale):
+    """[..., 1] with l2norm(x, scale=scale) = x * factor, so that the norm and a layout copy are one pass."""
+    f = (torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() + L2NORM_EPS).rsqrt()
+    return f if scale == 1.0 else f.mul(scale)
+
+
+def _chunks(x, N, C):
+    """[B, T, H, D] -> [N, B, H, C, D] view: chunk-major, so that once copied chunk n of every sequence and head is
+    one contiguous [B*H, C, D] block, which the scan's products read and write in place."""
+    return x.unflatten(1, (N, C)).permute(1, 0, 3, 2, 4)
+
+
+def _chunk_fwd(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, state, C, return_chunk_states=False):
+    """Chunked KDA on raw inputs [B, Tg, H, .] (Tg a multiple of C) from `state` [B, H, K, V] (compute dtype).
+    Returns o [N, B, H, C, V] (chunk-major), the final state (and the state entering every chunk,
+    [B, H, N, K, V], with return_chunk_states). Without autograd every step writes into its own buffers in place.
+
+    Common case, no channel decays by more than e^-MAX_ANCHORED_DECAY over a chunk: the gated products are
+    anchored halfway through each chunk's decay, a = G_last / 2 per channel, E = exp(G - a) within e^+-60:
+    A_qk = (q E)(k / E)^T, A_kk = (k E)(k / E)^T, and every other factor follows from E and exp(a) by products,
+    q exp(G) = (q E) exp(a), k exp(G_last - G) = (k / E) exp(a): one exp over the chunk tensors in all (an exp
+    costs about 7 multiplies on one CPU thread). Otherwise (strong or zero decays) the gated products take the
+    hierarchy of _gated_products and the decays are exponentiated directly."""
+    B, Tg, H, K = q.shape
     V = v.shape[-1]
-    C = chunk_size
-    N = T // C
+    N, BH = Tg // C, B * H
+    dtype = state.dtype
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, g, beta, state))
+    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
 
-    def chunks(x):  # [B, T, H, D] -> [B, H, N, C, D], contiguous so every matmul below reads it in place
-        return x.unflatten(1, (N, C)).permute(0, 3, 1, 2, 4).contiguous()
+    def chunked(x, f=None):  # [B, Tg, H, D] (times f, [B, Tg, H, 1] or a number) -> contiguous [N, B, H, C, D]
+        xv = _chunks(x, N, C)
+        fv = _chunks(f, N, C) if isinstance(f, torch.Tensor) else f
+        if grad:
+            xv = xv.contiguous()
+            return xv if f is None else xv * fv
+        out = torch.empty(xv.shape, dtype=dtype, device=x.device)
+        return out.copy_(xv) if f is None else torch.mul(xv, fv, out=out)
 
-    q, k, v = chunks(q), chunks(k), chunks(v)
-    beta = chunks(beta.unsqueeze(-1))  # [B, H, N, C, 1]
-    G = chunks(g).cumsum(-2)  # [B, H, N, C, K], within-chunk cumulative log decay
-    G_last = G[..., -1:, :]  # [B, H, N, 1, K]
-    decay = G.exp()  # <= 1: decay from the chunk start to each token
-    qg, kg = q * decay, k * decay
-    beta_row = beta.transpose(-1, -2)  # [B, H, N, 1, C]
-    decay_last = None  # exp(G_last), unless resets change it
-    if float(-G_last.detach().min()) <= MAX_BLOCK_DECAY:
-        # Common case: no channel decays by more than e^-60 over a chunk, so exp(G_r - G_c) factors through
-        # the chunk start (see _gated_products) and one matmul per product covers the whole chunk.
-        if torch.is_grad_enabled() and (k.requires_grad or G.requires_grad):
-            k_inv = k * torch.exp(-G)  # <= |k| e^60 (not k / decay: its backward squares decay, which underflows)
+    def flat(x):  # [N, B, H, C, D] -> [N * B * H, C, D]
+        return x.view(-1, *x.shape[-2:])
+
+    if use_qk_l2norm_in_kernel:
+        qc, kc = chunked(q, _l2norm_factor(q, scale)), chunked(k, _l2norm_factor(k, 1.0))
+    else:
+        qc, kc = chunked(q, scale), chunked(k)
+    vc, gc = chunked(v), chunked(g)  # [N, B, H, C, V], [N, B, H, C, K]
+    # a cumsum reading the permuted layout costs 1.6x the copy and a contiguous cumsum together
+    G = gc.cumsum(-2) if grad else torch.cumsum(gc, -2, out=gc)
+    b = _chunks(beta.unsqueeze(-1), N, C).reshape(-1, C, 1)  # [N * B * H, C, 1]
+    G_last = G[..., -1:, :]  # [N, B, H, 1, K]
+
+    if float(G_last.detach().min()) >= -MAX_ANCHORED_DECAY:
+        a = G_last * 0.5  # [N, B, H, 1, K]
+        ea = a.exp()  # decay from the chunk start to the anchor, and from the anchor to the chunk end
+        trans = ea * ea  # exp(G_last), the decay of the state across the chunk
+        if grad:
+            E = torch.exp(G - a)
+            kF = kc * torch.exp(a - G)  # not kc / E: its backward squares E, which overflows
+            qE, kE = qc * E, kc * E
         else:
-            k_inv = k / decay  # the same value; one pass instead of negate + exp + multiply
-        A_kk = (kg @ k_inv.transpose(-1, -2)) * beta  # only its strict lower triangle is read below
-        A_qk = (qg @ k_inv.transpose(-1, -2)).tril()
-        k_out = k_inv * G_last.exp()  # = k exp(G_last - G), a product of two bounded factors
+            E = G.sub_(a).exp_()
+            kF = torch.div(kc, E)
+            qE, kE = qc.mul_(E), kc.mul_(E)
+        kFt = flat(kF).transpose(1, 2)
+        A_kk, A_qk = torch.bmm(flat(kE), kFt), torch.bmm(flat(qE), kFt)  # [N * B * H, C, C]
+        if grad:  # tril before beta: an overflowed product above the diagonal times beta's gradient would be NaN
+            A_kk, A_qk = A_kk.tril(-1) * b, A_qk.tril()
+            qx, kx, kT = qE * ea, kE * ea, kF * ea
+        else:  # the inverse reads only the strict lower triangle of A_kk
+            A_kk.mul_(b)
+            A_qk.tril_()
+            qx, kx, kT = qE.mul_(ea), kE.mul_(ea), kF.mul_(ea)
     else:
         # Full resets: a token whose decay is exactly 0 in this precision (g = -inf, which g <= 0 allows, or
         # g < -104 in fp32) would put -inf - -inf = NaN into every difference of G. Such tokens leave the
         # cumulative sum (their g counts as 0) and `seg` counts them per channel; _exp_diff gives 0 across a
         # reset, which is exp(g) = 0 of the recurrence, with a zero gradient to g there as in the recurrence.
-        g = chunks(g)
-        reset = g.detach().exp() == 0
+        gc = _chunks(g, N, C)
+        reset = gc.detach().exp() == 0
         seg = seg_last = None
         if bool(reset.any()):
-            G = g.masked_fill(reset, 0.0).cumsum(-2)
+            gc = gc.masked_fill(reset, 0.0)
+            G = gc.cumsum(-2)
             G_last = G[..., -1:, :]
             seg = reset.cumsum(-2, dtype=torch.int32)
             seg_last = seg[..., -1:, :]
-            decay = _exp_diff(G, 0.0, seg, 0)
-            qg, kg = q * decay, k * decay
-            decay_last = _exp_diff(G_last, 0.0, seg_last, 0)
-        A_kk, A_qk = _gated_products(q, k, G, seg)
-        A_kk = A_kk * beta
-        k_out = k * _exp_diff(G_last, G, seg_last, seg)
-    k_out = k_out.transpose(-1, -2)  # [B, H, N, K, C]
+        decay = _exp_diff(G, 0.0, seg, 0)  # <= 1: decay from the chunk start to each token
+        A_kk, A_qk = (flat(x) for x in _gated_products(qc, kc, G, seg))
+        A_kk = A_kk * b
+        qx, kx = qc * decay, kc * decay
+        # the decay from each token to the chunk end summed over the later tokens, not G_last - G: with g = -6 per
+        # token that difference of two numbers near -300 cost the final state 1e-5 of its precision
+        after = torch.cat((gc[..., 1:, :], torch.zeros_like(gc[..., :1, :])), dim=-2).flip(-2).cumsum(-2).flip(-2)
+        kT = kc * _exp_diff(after, 0.0, seg_last, seg)
+        trans = _exp_diff(G_last, 0.0, seg_last, 0)
 
-    # WY form: w = (I + A_kk)^-1 diag(beta) k exp(G), u = (I + A_kk)^-1 diag(beta) v. The unit lower-triangular
-    # inverse reads only the strict lower triangle of A_kk (unitriangular=True); inverting once and
-    # multiplying twice is 1.5x faster on CPU than two triangular solves, and beta scales the C x C inverse's
-    # columns rather than the wider K- and V-channel operands.
-    eye = torch.eye(C, dtype=q.dtype, device=q.device).expand_as(A_kk)
-    A_inv = torch.linalg.solve_triangular(A_kk, eye, upper=False, unitriangular=True) * beta_row
-    w = A_inv @ kg  # [B, H, N, C, K]
-    u = A_inv @ v  # [B, H, N, C, V]
-    decay_last = (G_last.exp() if decay_last is None else decay_last).transpose(-1, -2)  # [B, H, N, K, 1]
-
-    # The only sequential part: the state entering each chunk and the corrected values v_new = u - w S.
-    # Batch and heads are flattened so each step is two baddbmm calls on [B*H, ., .] matrices.
-    w, u, k_out, decay_last = (x.flatten(0, 1) for x in (w, u, k_out, decay_last))
-    state = state.flatten(0, 1)  # [B*H, K, V]
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (w, u, k_out, decay_last, state)):
-        states, v_new = [], []
+    # WY form: w = (I + A_kk)^-1 diag(beta) k exp(G), u = (I + A_kk)^-1 diag(beta) v, v_new = u - w S; beta scales
+    # the C x C inverse's columns rather than the wider K- and V-channel operands.
+    b_row = b.view(-1, 1, C)
+    A_inv = _UnitLowerInverse.apply(A_kk) * b_row if grad else _unit_lower_inverse(A_kk).mul_(b_row)
+    qx, kx, vc = qx.view(N, BH, C, K), kx.view(N, BH, C, K), vc.view(N, BH, C, V)
+    kT = kT.view(N, BH, C, K).transpose(-1, -2)  # [N, B*H, K, C]
+    trans = trans.reshape(N, BH, K, 1)
+    S = state.reshape(BH, K, V)
+    # The only sequential part: the state entering each chunk S, v_new, and S' = exp(G_last) S + kT^T v_new, with
+    # chunk n of all sequences and heads one [B*H, ., .] block.
+    if grad:
+        A_inv = A_inv.view(N, BH, C, C)
+        kT = kT.transpose(-1, -2)  # [N, B*H, C, K]
+        v_new, S_all, S = _StateScan.apply(A_inv @ kx, A_inv @ vc, kT, trans, S)
+        o = torch.baddbmm(torch.bmm(qx.flatten(0, 1), S_all.flatten(0, 1)), A_qk, v_new.flatten(0, 1))
+    else:
+        # In place, v_new = A_inv (v - k exp(G) S) (w is never formed: C^2 K fewer multiply-adds a chunk, 9% of
+        # them at K = V = 128), and the output of chunk n made while its state is in cache.
+        A_inv, A_qk = A_inv.view(N, BH, C, C), A_qk.view(N, BH, C, C)
+        o, v_new, r = torch.empty_like(vc), torch.empty_like(vc[0]), torch.empty_like(vc[0])
+        S_all = S.new_empty(N + 1, BH, K, V) if return_chunk_states else S.new_empty(2, BH, K, V)
+        S_all[0].copy_(S)
         for n in range(N):
-            states.append(state)
-            vn = torch.baddbmm(u[:, n], w[:, n], state, alpha=-1)  # [B*H, C, V]
-            v_new.append(vn)
-            state = torch.baddbmm(state * decay_last[:, n], k_out[:, n], vn)
-        S = torch.stack(states, dim=1).flatten(0, 1)  # [B*H*N, K, V]
-        v_new = torch.stack(v_new, dim=1).flatten(0, 1)  # [B*H*N, C, V]
-    else:  # inference: write straight into preallocated buffers (no per-chunk tensors, no stacking)
-        S = state.new_empty(B * H, N, K, V)
-        v_new = state.new_empty(B * H, N, C, V)
-        for n in range(N):
-            S[:, n] = state
-            torch.baddbmm(u[:, n], w[:, n], state, alpha=-1, out=v_new[:, n])
-            state = torch.baddbmm(state * decay_last[:, n], k_out[:, n], v_new[:, n])
-        S, v_new = S.flatten(0, 1), v_new.flatten(0, 1)
-    o = torch.baddbmm(qg.flatten(0, 2) @ S, A_qk.flatten(0, 2), v_new)  # [B*H*N, C, V]
-    o = o.view(B, H, N, C, V).permute(0, 2, 3, 1, 4).reshape(B, T, H, V)
-    if return_chunk_states:
-        return o, state.unflatten(0, (B, H)), S.view(B, H, N, K, V)
-    return o, state.unflatten(0, (B, H))
+            S, S_next = (S_all[n], S_all[n + 1]) if return_chunk_states else (S_all[n % 2], S_all[1 - n % 2])
+            torch.baddbmm(vc[n], kx[n], S, alpha=-1, out=r)
+            torch.bmm(A_inv[n], r, out=v_new)
+            torch.bmm(qx[n], S, out=o[n]).baddbmm_(A_qk[n], v_new)
+            torch.mul(S, trans[n], out=S_next)
+            S_next.baddbmm_(kT[n], v_new)
+        S, S_all = S_next, S_all[:N]
+    o, S = o.view(N, B, H, C, V), S.view(B, H, K, V)
+    if not return_chunk_states:
+        return o, S
+    return o, S, S_all.view(N, B, H, K, V).permute(1, 2, 0, 3, 4)  # [B, H, N, K, V]
 
 
 def _chunk_fwd_grouped(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, state, chunk_size, chunk_states=None):
-    """Chunked KDA over raw inputs (T a multiple of chunk_size), GROUP_TOKENS at a time with the state carried
-    across groups. Every group is batched over its chunks and heads; the grouping only keeps the working set
+    """Chunked KDA over raw inputs [B, T, H, .] (any T: the last group is zero-padded to whole chunks, which leaves
+    the state untouched), GROUP_TOKENS at a time with the state carried across groups. Returns o [B, T, H, V] and
+    the final state. Every group is batched over its chunks and heads; the grouping only keeps the working set
     (about 20 tensors of GROUP_TOKENS x H x 128 fp32) in cache: at T=4096, H=4, K=V=128 on one CPU thread,
     groups of 512 tokens took 118 ms (median; 75 ms best) against 181 ms (136 ms) for all 64 chunks at once,
-    256 and 1024 about as well as 512 (measured interleaved in one process, /tmp-style A/B, loaded machine).
+    256 and 1024 about as well as 512 (measured interleaved in one process, /tmp-style A/B, loaded machine; again
+    with the anchored form: 128 to 1024 within noise of each other, 58-64 ms best).
     `chunk_states` (a list) receives the state entering every chunk, [B, H, N_group, K, V] a group."""
-    T = q.shape[1]
-    outs = []
-    for t0 in range(0, T, GROUP_TOKENS):
-        sl = slice(t0, t0 + GROUP_TOKENS)
-        xs = _prepare(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], scale, use_qk_l2norm_in_kernel)
+    B, T, H, _ = q.shape
+    V, C = v.shape[-1], chunk_size
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, g, beta, state))
+    T_pad = T + (-T % C)
+    out = None if grad else v.new_empty(B, T_pad, H, V, dtype=state.dtype)
+    outs, t0 = [], 0
+    # split, not slices: the backward of each slice fills a zero tensor of the whole input
+    for xs in zip(*(x.split(GROUP_TOKENS, dim=1) for x in (q, k, v, g, beta))):
+        pad = -xs[0].shape[1] % C
+        if pad:
+            xs = [F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad)) for x in xs]
         # the chunk states are dropped at once unless asked for: held over the next group they keep the
         # allocator from reusing their buffer, which cost the common call 5-8% (T = 1024-4096, H = 4, K = V = 128)
-        o, state, *S = _chunk_fwd(*xs, state, chunk_size, chunk_states is not None)
-        outs.append(o)
+        o, state, *S = _chunk_fwd(*xs, scale, use_qk_l2norm_in_kernel, state, C, chunk_states is not None)
+        o = o.permute(1, 0, 3, 2, 4)  # [B, N, C, H, V]
+        if grad:
+            outs.append(o)
+        else:
+            out[:, t0 : t0 + o.shape[1] * C].unflatten(1, o.shape[1:3]).copy_(o)
+        t0 += o.shape[1] * C
         if S:
             chunk_states.append(S[0])
-    return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), state
+    if grad:
+        out = torch.cat(outs, dim=1).flatten(1, 2) if len(outs) > 1 else outs[0].reshape(B, T_pad, H, V)
+    return (out if T == T_pad else out[:, :T]), state
 
 
 def _varlen_buckets(spans: list[tuple[int, int]], chunk_size: int) -> dict[int, list[int]]:
@@ -434,6 +593,19 @@ def _chunk_varlen(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kerne
     return o, state
 
 
+def _token_major(x):
+    """x [B, T, H, D] as a contiguous tensor when its token dimension is the dense one (channels-first, the layout
+    a conv1d output leaves q, k and v in), through one 2-D transpose per sequence; other layouts unchanged. Every
+    read of that layout along D touches one cache line per element: at T = 4096, H = 4, D = 64 on one thread the
+    l2 norm over D took 3.5 ms against 0.1 ms contiguous, the chunk-major copy 2.1 ms against 0.1, and the
+    transpose costs 0.6 ms (a 4-D .contiguous() 2.0 ms)."""
+    B, T, H, D = x.shape
+    if x.is_contiguous() or not (x.stride(1) == 1 and x.stride(3) == T and x.stride(2) == D * T):
+        return x
+    rows = [xb.flatten(1).contiguous().view(T, H, D) for xb in x.unbind()]  # [T, H * D] <- its transpose
+    return rows[0].unsqueeze(0) if B == 1 else torch.stack(rows)
+
+
 def chunk_kda_torch(
     q, k, v, g, beta, scale, initial_state=None, output_final_state=False,
     use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_size=CHUNK_SIZE, return_intermediate_states=False,
@@ -447,7 +619,9 @@ def chunk_kda_torch(
     dtype = v.dtype
     B, T, H, K = q.shape
     V = v.shape[-1]
+    q, k, v, g = (_token_major(x) for x in (q, k, v, g))
     seen = [] if return_intermediate_states else None
+    chunk_size = chunk_size if return_intermediate_states else min(chunk_size, COMPUTE_CHUNK)
     if cu_seqlens is not None:
         o, state = _chunk_varlen(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
                                  chunk_size, seen)
@@ -455,14 +629,10 @@ def chunk_kda_torch(
         final = state if output_final_state else None
         return (o, final) if seen is None else (o, final, seen[0])
 
-    pad = -T % chunk_size
-    if pad:
-        q, k, v, g = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
-        beta = F.pad(beta, (0, 0, 0, pad))
     cdtype = compute_dtype(dtype)
     state = q.new_zeros(B, H, K, V, dtype=cdtype) if initial_state is None else initial_state.to(cdtype)
     o, state = _chunk_fwd_grouped(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, state, chunk_size, seen)
-    o, final = o[:, :T].to(dtype), (state if output_final_state else None)
+    o, final = o.to(dtype), (state if output_final_state else None)
     if seen is None:
         return o, final
     return o, final, torch.cat(seen, dim=2).transpose(1, 2)  # [B, NT, H, K, V]

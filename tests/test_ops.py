@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from kda_hybrid import chunk_kda, fused_recurrent_kda
+from kda_hybrid.kda_torch import recurrent_step_
 
 from .helpers import (
     GRAD_NAMES,
@@ -178,8 +179,9 @@ def test_decode_inplace_state_update():
 @pytest.mark.parametrize("l2norm", [False, True], ids=["raw", "l2norm"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_single_token_step_matches_fla_naive(l2norm, dtype):
-    """T = 1 in place (the decode step: kda_torch.recurrent_step_, batched [B * H] products) against fla's naive
-    recurrence, K != V, a non-default scale, bf16 inputs with the fp32 state; the state is the caller's tensor."""
+    """T = 1 in place, through the op and through the model's decode step (kda_torch.recurrent_step_, batched
+    [B * H] products), against fla's naive recurrence: K != V, a non-default scale, bf16 inputs with the fp32 state;
+    the state is the caller's tensor."""
     q, k, v, g, beta, h0 = make_inputs(3, 1, 2, 16, 24, init_state=True, dtype=dtype)
     k = k * torch.linspace(0.5, 3.0, 16).to(dtype) if l2norm else k
     state = h0.clone()
@@ -191,6 +193,11 @@ def test_single_token_step_matches_fla_naive(l2norm, dtype):
     o_fla, s_fla = naive.naive_recurrent_kda(qn, kn, v.float(), g.float(), beta.float(), scale=0.3,
                                              initial_state=h0, output_final_state=True)
     assert_close_rel(o, o_fla, rel=1e-2 if dtype == torch.bfloat16 else 1e-5)  # bf16: the output rounding
+    assert_close_rel(state, s_fla)
+    state = h0.clone()
+    o_step = recurrent_step_(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state, 0.3, use_qk_l2norm_in_kernel=l2norm)
+    assert o_step.dtype == dtype
+    assert_close_rel(o_step, o_fla[:, 0], rel=1e-2 if dtype == torch.bfloat16 else 1e-5)
     assert_close_rel(state, s_fla)
 
 
@@ -984,7 +991,7 @@ def test_unit_lower_inverse_reads_only_the_strict_lower_triangle(C):
 
 @pytest.mark.parametrize("B", [1, 2])
 def test_channels_first_inputs_equal_contiguous(B):
-    """q, k, v as the model's short convolution leaves them ([B, 3 H K, T] split into three [B, T, H, K] views whose
+    """q, k, v as a conv1d output leaves them ([B, 3 H K, T] split into three [B, T, H, K] views whose
     token dimension is the dense one) take one transpose each into token-major order: output and final state equal
     those of contiguous copies bit for bit (the same kernels on the same shapes after it), gradients to rounding."""
     T, H, K = 70, 2, 16

@@ -126,36 +126,44 @@ def recurrent_kda_reference(
 
 
 @torch.no_grad()
+def _step_(q, k, v, g, beta, S):
+    """One token per sequence on prepared tensors (compute dtype, q scaled, q/k normalised as asked): q, k, g
+    [B, H, K], v [B, H, V], beta [B, H]; S [B, H, K, V] contiguous in that dtype, updated in place (decay, then the
+    delta-rule write). Returns o [B, H, V]. Batched [B * H] products, a dozen tensor ops in all: a decode step on
+    CPU costs its op count, not its FLOPs."""
+    B, H, K = k.shape
+    V = v.shape[-1]
+    S3 = S.view(B * H, K, V)
+    S3.mul_(g.exp().view(B * H, K, 1))
+    k = k.reshape(B * H, 1, K)
+    delta = (v.reshape(B * H, 1, V) - torch.bmm(k, S3)).mul_(beta.reshape(B * H, 1, 1))  # [B * H, 1, V]
+    S3.baddbmm_(k.transpose(1, 2), delta)  # S += k^T delta
+    return torch.bmm(q.reshape(B * H, 1, K), S3).view(B, H, V)
+
+
+@torch.no_grad()
 def _recurrent_inplace(q, k, v, g, beta, state):
-    """Token-by-token scan that updates `state` ([B, H, K, V] fp32) in place; returns o [B, T, H, V]."""
-    B, T, H, V = v.shape
-    o = v.new_empty(B, T, H, V)
-    for t in range(T):
-        state.mul_(g[:, t].exp().unsqueeze(-1))
-        recall = torch.matmul(k[:, t].unsqueeze(-2), state).squeeze(-2)  # [B, H, V]
-        delta = (v[:, t] - recall).mul_(beta[:, t].unsqueeze(-1))
-        state.add_(k[:, t].unsqueeze(-1) * delta.unsqueeze(-2))
-        o[:, t] = torch.matmul(q[:, t].unsqueeze(-2), state).squeeze(-2)
+    """Token-by-token scan on prepared tensors that updates `state` ([B, H, K, V]) in place; returns o [B, T, H, V].
+    A state in another dtype or layout is scanned as a contiguous compute-dtype copy, written back once."""
+    work = state.to(q.dtype, memory_format=torch.contiguous_format)  # `state` itself when it already is one
+    o = v.new_empty(v.shape)
+    for t in range(v.shape[1]):
+        o[:, t] = _step_(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], work)
+    if work is not state:
+        state.copy_(work)
     return o
 
 
 @torch.no_grad()
 def recurrent_step_(q, k, v, g, beta, state, scale, use_qk_l2norm_in_kernel=False):
-    """One token per sequence against `state`, updated in place: the scan of `_recurrent_inplace` for T = 1 as
-    batched [B * H] products, a dozen tensor ops in all (a decode step on CPU costs its op count, not its FLOPs).
+    """The model's decode step: `_step_` from raw inputs, without the [B, T, ...] preparation of the op.
 
     q, k [B, H, K], v [B, H, V], g [B, H, K] (log decay), beta [B, H] in any float dtype; state [B, H, K, V]
-    contiguous, in the compute dtype (fp32, or float64). Returns o [B, H, V] in v's dtype."""
-    B, H, K = k.shape
-    V, out_dtype, dtype = v.shape[-1], v.dtype, state.dtype
+    contiguous, in the compute dtype (fp32, or float64), updated in place. Returns o [B, H, V] in v's dtype."""
+    out_dtype, dtype = v.dtype, state.dtype
     q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
     q, k = (l2norm(q, scale=scale), l2norm(k)) if use_qk_l2norm_in_kernel else (q * scale, k)
-    S = state.view(B * H, K, V)
-    S.mul_(g.exp().view(B * H, K, 1))
-    k = k.reshape(B * H, 1, K)
-    delta = (v.reshape(B * H, 1, V) - torch.bmm(k, S)).mul_(beta.reshape(B * H, 1, 1))  # [B * H, 1, V]
-    S.baddbmm_(k.transpose(1, 2), delta)  # S += k^T delta
-    return torch.bmm(q.reshape(B * H, 1, K), S).view(B, H, V).to(out_dtype)
+    return _step_(q, k, v, g, beta, state).to(out_dtype)
 
 
 def fused_recurrent_kda_torch(
@@ -172,11 +180,6 @@ def fused_recurrent_kda_torch(
             q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens
         )
     dtype = v.dtype
-    if v.shape[1] == 1 and cu_seqlens is None and inplace_final_state and initial_state is not None \
-            and initial_state.dtype == compute_dtype(dtype) and initial_state.is_contiguous():
-        o = recurrent_step_(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], initial_state, scale,
-                            use_qk_l2norm_in_kernel)
-        return o.unsqueeze(1), (initial_state if output_final_state else None)
     q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
     B, T, H, K = q.shape
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1

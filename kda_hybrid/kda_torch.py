@@ -125,12 +125,12 @@ def recurrent_kda_reference(
 # --------------------------------------------------------------------------------------------------
 
 
-@torch.no_grad()
 def _step_(q, k, v, g, beta, S):
     """One token per sequence on prepared tensors (compute dtype, q scaled, q/k normalised as asked): q, k, g
     [B, H, K], v [B, H, V], beta [B, H]; S [B, H, K, V] contiguous in that dtype, updated in place (decay, then the
     delta-rule write). Returns o [B, H, V]. Batched [B * H] products, a dozen tensor ops in all: a decode step on
-    CPU costs its op count, not its FLOPs."""
+    CPU costs its op count, not its FLOPs. Callers hold no_grad (the write is in place): the model's decode step
+    runs only without gradient, and a context entered per token would cost as much as two of these ops."""
     B, H, K = k.shape
     V = v.shape[-1]
     S3 = S.view(B * H, K, V)

@@ -51,7 +51,7 @@ def test_decode_step_equals_the_general_path(state_layout, monkeypatch):
     takes the op's general recurrent path) against the same token through the general path, which a rollback
     record forces: logits, conv and recurrent states equal, in two rows, over several steps."""
     calls = {"step": 0, "batched": 0}
-    step, batched = layers_kda_hybrid.KDAHybridDeltaAttention._decode_step, layers_kda_hybrid.recurrent_step_
+    step, batched = layers_kda_hybrid.KDAHybridDeltaAttention._decode_step, layers_kda_hybrid._step_
 
     def counted(name, fn):
         def wrapper(*args, **kwargs):
@@ -61,7 +61,7 @@ def test_decode_step_equals_the_general_path(state_layout, monkeypatch):
         return wrapper
 
     monkeypatch.setattr(layers_kda_hybrid.KDAHybridDeltaAttention, "_decode_step", counted("step", step))
-    monkeypatch.setattr(layers_kda_hybrid, "recurrent_step_", counted("batched", batched))
+    monkeypatch.setattr(layers_kda_hybrid, "_step_", counted("batched", batched))
     model = tiny_model("mla")
     ids = prompt(B=2, T=12)
     caches = []

@@ -179,9 +179,9 @@ def test_decode_inplace_state_update():
 @pytest.mark.parametrize("l2norm", [False, True], ids=["raw", "l2norm"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_single_token_step_matches_fla_naive(l2norm, dtype):
-    """T = 1 in place, through the op and through the model's decode step (kda_torch.recurrent_step_, batched
-    [B * H] products), against fla's naive recurrence: K != V, a non-default scale, bf16 inputs with the fp32 state;
-    the state is the caller's tensor."""
+    """T = 1 in place, through the op and through kda_torch.recurrent_step_ (the batched [B * H] products of the
+    model's decode step), against fla's naive recurrence: K != V, a non-default scale, bf16 inputs with the fp32
+    state; the state is the caller's tensor."""
     q, k, v, g, beta, h0 = make_inputs(3, 1, 2, 16, 24, init_state=True, dtype=dtype)
     k = k * torch.linspace(0.5, 3.0, 16).to(dtype) if l2norm else k
     state = h0.clone()

@@ -15,7 +15,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from .cache_kda_hybrid import KDALayerState, KVLayerState, _Segment, shift_conv_state
 from .configuration_kda_hybrid import KDAHybridConfig
 from .kda_ops import _fused_recurrent_kda, _resolve, chunk_kda
-from .kda_torch import l2norm, recurrent_step_
+from .kda_torch import _l2norm_factor, _step_
 
 ABSORB_MAX_QUERY = 16  # MLA: queries up to this long (decode, draft verification) attend in latent space
 # MLA latent attention from this many cached tokens on: scores as keys x queries (1.6 vs 2.3 ms per layer at 16K
@@ -104,17 +104,23 @@ def _plain_weight(module: nn.Module, kind: type) -> torch.Tensor | None:
     on a replicated input (the heads this process holds)."""
     if type(module) is not kind:
         return None
-    hook = getattr(module, "_hf_hook", None)
+    # read from __dict__: a missed getattr on a Module raises inside nn.Module.__getattr__, which costs more than
+    # the rest of this check (a decode step makes three); accelerate sets _hf_hook as a plain attribute
+    attrs = module.__dict__
+    hook = attrs.get("_hf_hook")
     if hook is not None and not _keeps_weights_resident(hook):
         return None
     if module._forward_hooks or module._forward_pre_hooks:
         return None
-    weight = module.weight
-    if _is_row_sharded(weight):
+    weight = module._parameters.get("weight")
+    if type(weight) is nn.Parameter:  # a plain Parameter: not a DTensor (nn.Parameter(dtensor) stays a DTensor)
+        if weight.device.type == "meta":
+            return None
+    elif weight is not None and _is_row_sharded(weight):
         return weight.to_local()
-    if type(weight) is not nn.Parameter or weight.device.type == "meta":
+    else:  # a torchao quantised tensor, a parametrization (weight is then no entry of _parameters), ...
         return None
-    if hook is None and "forward" in module.__dict__:  # forward replaced on the instance: a wrapper we cannot read
+    if hook is None and "forward" in attrs:  # forward replaced on the instance: a wrapper we cannot read
         return None
     return weight
 
@@ -210,7 +216,9 @@ class KDAHybridDeltaAttention(nn.Module):
         if weight is None:  # wrapped, hooked or quantised conv: its own forward (no padding: T outputs)
             return F.silu(conv(torch.cat((state.to(x.dtype), x.transpose(1, 2)), -1))).transpose(1, 2)
         full = torch.cat((state.transpose(1, 2).to(x.dtype), x), dim=1)  # [B, kernel - 1 + T, C]
-        taps = weight[:, 0].t()  # [kernel, C]; tap j reads x[t - (kernel - 1 - j)]
+        # [kernel, C], tap j reads x[t - (kernel - 1 - j)]; contiguous: a strided [C] factor takes a slow
+        # elementwise path (a multiply-add over [256, 256] rows 3x slower, 1 thread)
+        taps = weight[:, 0].t().contiguous()
         out = full[:, -T:] * taps[-1]
         for j in range(self.conv_size - 1):
             out.addcmul_(full[:, j : j + T], taps[j])
@@ -343,16 +351,22 @@ class KDAHybridDeltaAttention(nn.Module):
         window = torch.cat((before, qkv.unsqueeze(-1)), -1)  # [B, 3C, kernel]
         cache_layer.conv_states = list(window[..., 1:].clone().split(C, 1))  # the last (kernel - 1) inputs
         qkv = F.silu((window * torch.cat(convs)[:, 0]).sum(-1)).view(B, 3, -1, K)  # [B, 3, H, K]
-        qk = l2norm(qkv[:, :2])  # q and k normalised together
         f = self.f_b_proj(self.f_a_proj(x2)).float()  # [B, C]
-        g = (-self.A_log.float().exp()).view(-1, 1) * F.softplus(f + self.dt_bias.float()).view(B, -1, K)
+        g = F.softplus(f + self.dt_bias.float()).view(B, -1, K).mul_(self.A_log.float().exp().neg_().view(-1, 1))
         beta = torch.sigmoid(self.b_proj(x2).float())  # [B, H]
         state = cache_layer.recurrent_state
         if _resolve("auto", x.device) == "torch" and state.is_contiguous():
-            o = recurrent_step_(qk[:, 0], qk[:, 1], qkv[:, 2], g, beta, state, K**-0.5)  # [B, H, V]
+            # the op's preparation without its [B, T] reshapes: compute dtype, q and k normalised by one norm over
+            # both, the scale on q's factor
+            qkv = qkv.to(state.dtype)
+            factor = _l2norm_factor(qkv[:, :2], 1.0)  # [B, 2, H, 1]
+            factor[:, 0].mul_(K**-0.5)
+            qk = qkv[:, :2] * factor
+            o = _step_(qk[:, 0], qk[:, 1], qkv[:, 2], g, beta, state).to(x.dtype)  # [B, H, V]; state in place
         else:
-            o, state = _fused_recurrent_kda(qk[:, None, 0], qk[:, None, 1], qkv[:, None, 2], g[:, None], beta[:, None],
-                                            initial_state=state, output_final_state=True, inplace_final_state=True)
+            o, state = _fused_recurrent_kda(qkv[:, None, 0], qkv[:, None, 1], qkv[:, None, 2], g[:, None],
+                                            beta[:, None], initial_state=state, output_final_state=True,
+                                            inplace_final_state=True, use_qk_l2norm_in_kernel=True)
             o = o[:, 0]
         cache_layer.recurrent_state = state
         gate = self.g_b_proj(self.g_a_proj(x2)).view(B, -1, K)

@@ -210,7 +210,7 @@ class KDAHybridModel(KDAHybridPreTrainedModel):
                 cache = past_key_values
         B, T = _check_tokens(input_ids, inputs_embeds, self.config.hidden_size)
         if cache is not None and not isinstance(cache, KDAHybridCache):
-            raise TypeError(f"cache must be a KDAHybridCache, got {type(cache).__name__}")
+            raise TypeError(_foreign_cache_message(cache))
         asked_for_cache = bool(use_cache) or cache is not None
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
@@ -304,6 +304,12 @@ class KDAHybridModel(KDAHybridPreTrainedModel):
         else:
             path = "masked"
         return AttentionLayerInputs(path=path, mask=mask, **inputs)
+
+
+def _foreign_cache_message(cache) -> str:
+    return (f"cache must be a KDAHybridCache, got {type(cache).__name__}: transformers' caches hold no KDA conv or "
+            "recurrent states. Build one with KDAHybridCache(model.config), or leave cache unset (generate() and "
+            "use_cache=True build it)")
 
 
 def _config_default(value, config, name):
@@ -441,11 +447,19 @@ class KDAHybridForCausalLM(KDAHybridPreTrainedModel, GenerationMixin):
         """generate() builds a DynamicCache for ordinary models; this model needs its hybrid cache."""
         user_cache = model_kwargs.get("cache")
         if user_cache is not None and not isinstance(user_cache, KDAHybridCache):
-            raise TypeError(f"cache must be a KDAHybridCache, got {type(user_cache).__name__}")
+            raise TypeError(_foreign_cache_message(user_cache))
+        if user_cache is not None and generation_config.use_cache is False:
+            # transformers would run the whole sequence at every step and the model would add each run to the cache
+            # on top of the last: wrong tokens from the second on, and a cache holding sum(lengths) tokens
+            raise ValueError(
+                "generate() got a cache and use_cache=False: without use_cache every step feeds the whole sequence "
+                "again, and a given cache would take it on top of what it holds. Leave use_cache at True to continue "
+                "from the cache, or pass no cache")
         if user_cache is None and generation_config.use_cache is not False and \
                 generation_config.cache_implementation not in (None, "dynamic"):
             raise ValueError(f"cache_implementation={generation_config.cache_implementation!r} is not supported: "
-                             "KDA hybrid models use their own KDAHybridCache (leave cache_implementation unset)")
+                             "KDA hybrid models use their own KDAHybridCache (leave cache_implementation unset, or "
+                             "'dynamic'); for offloading, call cache.offload(layer_idx) on a KDAHybridCache")
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         if user_cache is None and model_kwargs.get("cache") is not None:
             cache = KDAHybridCache(self.config)

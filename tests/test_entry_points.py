@@ -1,0 +1,71 @@
+"""Public entry points a transformers user walks beside the common ones: cache_implementation and transformers'
+own caches, generate() with use_cache=False or inputs_embeds over a cache, continuous batching, EOS inside a
+batch, resize_token_embeddings, dtype="auto", explicit all-ones and fully padded masks. Each either gives the
+answer of the plain path or raises an error that says what is supported."""
+
+import pytest
+import torch
+from transformers import DynamicCache, StaticCache
+
+from kda_hybrid import KDAHybridCache
+
+from .helpers import prompt, tiny_model
+
+
+def greedy(model, ids, n=5, **kw):
+    return model.generate(ids, max_new_tokens=n, do_sample=False, **kw)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("mla", True)
+
+
+def prefilled(model, ids):
+    cache = KDAHybridCache(model.config)
+    with torch.no_grad():
+        model(ids, cache=cache)
+    return cache
+
+
+# --------------------------------------------------------------------------------------------------
+# Caches: cache_implementation, transformers' caches, use_cache=False, inputs_embeds over a cache
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", ["static", "offloaded", "offloaded_static", "sliding_window", "quantized"])
+def test_cache_implementations_other_than_dynamic_are_refused(model, impl):
+    with pytest.raises(ValueError, match=f"cache_implementation='{impl}' is not supported.*KDAHybridCache"):
+        greedy(model, prompt(), cache_implementation=impl)
+
+
+def test_cache_implementation_dynamic_is_the_hybrid_cache(model):
+    ids = prompt()
+    out = greedy(model, ids, cache_implementation="dynamic", return_dict_in_generate=True)
+    assert isinstance(out.cache, KDAHybridCache) and out.cache.get_seq_length() == ids.shape[1] + 4
+    assert torch.equal(out.sequences, greedy(model, ids))
+
+
+@pytest.mark.parametrize("make", [lambda c: DynamicCache(config=c), lambda c: DynamicCache(),
+                                  lambda c: StaticCache(config=c, max_cache_len=32)],
+                         ids=["dynamic", "dynamic-no-config", "static"])
+def test_transformers_caches_are_a_clear_error(model, make):
+    ids = prompt()
+    with pytest.raises(TypeError, match="KDAHybridCache.*no KDA conv or recurrent states"):
+        greedy(model, ids, cache=make(model.config))
+    with pytest.raises(TypeError, match="KDAHybridCache.*no KDA conv or recurrent states"):
+        model(ids, cache=make(model.config))
+
+
+def test_generate_with_a_cache_and_use_cache_false_is_an_error(model):
+    """Without use_cache every step feeds the whole sequence; the model used to add each of those runs to the given
+    cache on top of the last (the cache ended holding 75 tokens for a 13-token prompt and 5 new ones) and so gave
+    other tokens than plain greedy decoding. LlamaForCausalLM does the same with a DynamicCache."""
+    ids = prompt(T=13)
+    cache = prefilled(model, ids[:, :9])
+    with pytest.raises(ValueError, match="use_cache=False"):
+        greedy(model, ids, cache=cache, use_cache=False)
+    assert cache.get_seq_length() == 9  # nothing ran
+    with pytest.raises(ValueError, match="use_cache=False"):
+        greedy(model, ids, cache=KDAHybridCache(model.config), use_cache=False)
+    assert torch.equal(greedy(model, ids, cache=cache), greedy(model, ids))  # the cache still continues

@@ -69,3 +69,21 @@ def test_generate_with_a_cache_and_use_cache_false_is_an_error(model):
     with pytest.raises(ValueError, match="use_cache=False"):
         greedy(model, ids, cache=KDAHybridCache(model.config), use_cache=False)
     assert torch.equal(greedy(model, ids, cache=cache), greedy(model, ids))  # the cache still continues
+
+
+@pytest.mark.parametrize("layer_types", [None, ["linear_attention"] * 2], ids=["hybrid", "kda-only"])
+def test_inputs_embeds_over_a_cache_hold_the_whole_sequence(layer_types):
+    """transformers' rule: inputs_embeds restarting from a cache are the whole sequence. The whole sequence
+    continues exactly; no more embeddings than the cache holds used to end in 'inputs_embeds must hold at least one
+    token ... (2, 0, 64)' (hybrid) and now say what generate() expects."""
+    over = {} if layer_types is None else {"num_hidden_layers": 2, "layer_types": layer_types}
+    model = tiny_model("mla", **over)
+    ids = prompt(T=13)
+    embeds = model.get_input_embeddings()(ids).detach()
+    expected = greedy(model, ids)[:, 13:]
+    assert torch.equal(greedy(model, None, inputs_embeds=embeds, cache=prefilled(model, ids[:, :9])), expected)
+    for new in (embeds[:, 9:], embeds[:, :9]):  # the new tokens only; as many as the cache holds
+        cache = prefilled(model, ids[:, :9])
+        with pytest.raises(ValueError, match=r"inputs_embeds of shape .* with a cache holding 9 tokens.*whole "):
+            greedy(model, None, inputs_embeds=new, cache=cache)
+        assert cache.get_seq_length() == 9

@@ -483,11 +483,18 @@ class KDAHybridForCausalLM(KDAHybridPreTrainedModel, GenerationMixin):
         """transformers cuts a prompt that restarts from a cache down to its new tokens only when some cache layer is
         attention (`not all(cache.is_linear)`): with KDA layers only (a draft model, a KDA-only model continuing a
         conversation) the whole sequence would run again on top of the cache. Cut it by transformers' own rule: the
-        input is the full sequence when it is as long as the attention mask (or the all-ones mask generate dropped)."""
+        input is the full sequence when it is as long as the attention mask (or the all-ones mask generate dropped).
+        inputs_embeds restarting from a cache must be that full sequence (transformers' rule): fewer is an error."""
         cache = model_kwargs.get("cache")
         past = cache.get_seq_length() if isinstance(cache, KDAHybridCache) else 0
+        embeds = model_kwargs.get("inputs_embeds")
+        if past and is_first_iteration and embeds is not None and embeds.shape[1] <= past:
+            # transformers keeps the last (length - past) embeddings as the new tokens: here none would be left
+            raise ValueError(
+                f"generate() got inputs_embeds of shape {tuple(embeds.shape)} with a cache holding {past} tokens: "
+                f"when restarting from a cache, inputs_embeds hold the whole sequence, the {past} cached tokens "
+                f"followed by at least one new one ([B, {past} + new, hidden]), or pass a new cache")
         if past and all(cache.is_linear):
-            embeds = model_kwargs.get("inputs_embeds")
             if embeds is not None and is_first_iteration:  # restarting from inputs_embeds: always the full sequence
                 model_kwargs = {**model_kwargs, "inputs_embeds": embeds[:, past:]}
             else:

@@ -87,3 +87,15 @@ def test_inputs_embeds_over_a_cache_hold_the_whole_sequence(layer_types):
         with pytest.raises(ValueError, match=r"inputs_embeds of shape .* with a cache holding 9 tokens.*whole "):
             greedy(model, None, inputs_embeds=new, cache=cache)
         assert cache.get_seq_length() == 9
+
+
+@pytest.mark.parametrize("call", ["generate_batch", "paged"])
+def test_continuous_batching_is_refused_clearly(model, call):
+    """transformers' paged cache has attention layers only: it failed with 'Invalid layer type: linear_attention'
+    (its native kimi_linear and qwen3_next too)."""
+    ids = prompt(B=1)
+    with pytest.raises(NotImplementedError, match="continuous batching .* not supported.*generate\\(\\)"):
+        if call == "paged":
+            greedy(model, ids, cache_implementation="paged")
+        else:
+            model.generate_batch(ids.tolist(), max_new_tokens=3)

@@ -479,6 +479,14 @@ class KDAHybridForCausalLM(KDAHybridPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, new_embeddings):
         self.lm_head = new_embeddings
 
+    def init_continuous_batching(self, *args, **kwargs):
+        """Continuous batching (generate_batch, generate(cache_implementation="paged")) keeps a paged KV cache of
+        attention layers only; transformers would fail on the first KDA layer type ("Invalid layer type")."""
+        raise NotImplementedError(
+            "continuous batching (generate_batch, init_continuous_batching, cache_implementation='paged') is not "
+            "supported: its paged cache holds attention keys and values only, and KDA layers carry a recurrent state "
+            "per sequence. Use generate() on a padded batch")
+
     def _prefill(self, input_ids, generation_config, model_kwargs, is_first_iteration=True):
         """transformers cuts a prompt that restarts from a cache down to its new tokens only when some cache layer is
         attention (`not all(cache.is_linear)`): with KDA layers only (a draft model, a KDA-only model continuing a

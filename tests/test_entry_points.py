@@ -5,11 +5,11 @@ answer of the plain path or raises an error that says what is supported."""
 
 import pytest
 import torch
-from transformers import DynamicCache, StaticCache
+from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
 
 from kda_hybrid import KDAHybridCache
 
-from .helpers import prompt, tiny_model
+from .helpers import VOCAB, prompt, tiny_model
 
 
 def greedy(model, ids, n=5, **kw):
@@ -99,3 +99,47 @@ def test_continuous_batching_is_refused_clearly(model, call):
             greedy(model, ids, cache_implementation="paged")
         else:
             model.generate_batch(ids.tolist(), max_new_tokens=3)
+
+
+# --------------------------------------------------------------------------------------------------
+# resize_token_embeddings
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("new,multiple,size", [(120, None, 120), (50, None, 50), (100, 64, 128)])
+def test_resize_token_embeddings_then_generate_save_load(tie, new, multiple, size, tmp_path):
+    model = tiny_model("mla", tie_word_embeddings=tie)
+    ids = prompt().clamp(max=40)
+    before = model(ids).logits
+    model.resize_token_embeddings(new, pad_to_multiple_of=multiple)
+    assert model.config.vocab_size == model.lm_head.weight.shape[0] == size
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tie
+    logits = model(ids).logits
+    assert logits.shape[-1] == size
+    keep = min(size, VOCAB)  # the kept rows are the old ones
+    torch.testing.assert_close(logits[..., :keep], before[..., :keep], rtol=1e-5, atol=1e-6)
+    generated = greedy(model, ids, n=4)
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert loaded.config.vocab_size == size
+    assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == tie
+    torch.testing.assert_close(loaded(ids).logits, logits, rtol=1e-5, atol=1e-6)
+    assert torch.equal(greedy(loaded, ids, n=4), generated)
+
+
+def test_resize_below_a_special_token_is_refused_before_any_change(tmp_path):
+    """KDAHybridConfig refuses special token ids outside the vocabulary, so shrinking below eos_token_id used to
+    give a model that saved and then failed to load ('eos_token_id must be None or a token id in 0..49')."""
+    model = tiny_model("mla", eos_token_id=90)
+    for new, multiple in ((50, None), (81, 8)):  # 81 pads to 88 rows: token 90 is outside
+        with pytest.raises(ValueError, match="eos_token_id=90 outside the vocabulary"):
+            model.resize_token_embeddings(new, pad_to_multiple_of=multiple)
+        assert model.config.vocab_size == model.model.embed_tokens.weight.shape[0] == VOCAB
+    model.resize_token_embeddings(84, pad_to_multiple_of=13)  # 91 rows hold token 90
+    assert model.config.vocab_size == 91
+    model.config.eos_token_id = None  # the way the error names
+    model.resize_token_embeddings(50)
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert loaded.config.vocab_size == 50 and loaded.config.eos_token_id is None

@@ -115,6 +115,29 @@ class KDAHybridPreTrainedModel(PreTrainedModel):
         if is_main_process:
             write_model_card(self.config, save_directory)  # README.md; a card the user wrote is kept
 
+    def resize_token_embeddings(self, new_num_tokens=None, pad_to_multiple_of=None, mean_resizing=True):
+        """transformers' resize, refused before any change when the new vocabulary would leave out one of the
+        config's special token ids: KDAHybridConfig refuses a token id outside the vocabulary (transformers' own
+        configs only warn), so the resized model would save a checkpoint that no longer loads."""
+        size = new_num_tokens
+        if size is None:
+            size = self.get_input_embeddings().weight.shape[0]
+        if isinstance(pad_to_multiple_of, int) and not isinstance(pad_to_multiple_of, bool) and pad_to_multiple_of > 0:
+            size = -(-size // pad_to_multiple_of) * pad_to_multiple_of
+        if isinstance(size, int):
+            outside = []
+            for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+                value = getattr(self.config, name, None)
+                tokens = value if isinstance(value, (list, tuple)) else [value]
+                if any(isinstance(t, int) and t >= size for t in tokens):
+                    outside.append(f"{name}={value}")
+            if outside:
+                raise ValueError(
+                    f"resize_token_embeddings to {size} tokens would leave {', '.join(outside)} outside the "
+                    "vocabulary, and a config with a special token outside it does not load: set it to None or to an "
+                    f"id below {size} first (model.config.<name> = ...), or keep a larger vocabulary")
+        return super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
+
     def _upload_modified_files(self, working_dir, repo_id, *args, **kwargs):
         write_model_card(self.config, working_dir, model_id=repo_id)  # replaces push_to_hub's placeholder card
         return super()._upload_modified_files(working_dir, repo_id, *args, **kwargs)

@@ -102,6 +102,34 @@ def test_continuous_batching_is_refused_clearly(model, call):
 
 
 # --------------------------------------------------------------------------------------------------
+# generate(): EOS inside a batch, inputs_embeds with left padding
+# --------------------------------------------------------------------------------------------------
+
+
+def test_eos_in_one_row_pads_it_and_the_others_continue_as_alone(model):
+    ids = prompt()
+    eos = int(greedy(model, ids, n=8)[0, ids.shape[1] + 2])  # row 0's third new token
+    out = greedy(model, ids, n=8, eos_token_id=eos, pad_token_id=0)
+    row0 = out[0, ids.shape[1]:].tolist()
+    stop = row0.index(eos)
+    assert stop <= 2 and all(t == 0 for t in row0[stop + 1:]) and len(row0) == 8
+    alone = greedy(model, ids[1:], n=8, eos_token_id=eos, pad_token_id=0)
+    assert eos not in alone[0, ids.shape[1]:].tolist()
+    assert torch.equal(out[1], alone[0])
+
+
+def test_inputs_embeds_with_left_padding_equal_each_row_alone(model):
+    ids = prompt(T=9)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    embeds = model.get_input_embeddings()(ids).detach()
+    embeds[1, :3] = float("nan")  # padding, whatever it holds, reaches no real token
+    out = greedy(model, None, inputs_embeds=embeds, attention_mask=mask, pad_token_id=0)
+    assert torch.equal(out[0], greedy(model, ids[:1])[0, 9:])
+    assert torch.equal(out[1], greedy(model, ids[1:, 3:])[0, 6:])
+
+
+# --------------------------------------------------------------------------------------------------
 # resize_token_embeddings
 # --------------------------------------------------------------------------------------------------
 
@@ -143,3 +171,79 @@ def test_resize_below_a_special_token_is_refused_before_any_change(tmp_path):
     model.save_pretrained(tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert loaded.config.vocab_size == 50 and loaded.config.eos_token_id is None
+
+
+# --------------------------------------------------------------------------------------------------
+# dtype="auto" and bf16 loading
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs", [{"dtype": "auto"}, {}, {"dtype": "auto", "low_cpu_mem_usage": True}],
+                         ids=["auto", "default", "auto-low-cpu-mem"])
+def test_bf16_checkpoint_loads_in_bf16_with_fp32_kept_parameters(kwargs, tmp_path):
+    reference = tiny_model("mla", True)
+    cast = tiny_model("mla", True).to(torch.bfloat16)
+    cast.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, **kwargs).eval()
+    kda, moe = loaded.model.layers[0].self_attn, loaded.model.layers[1].block_sparse_moe
+    assert kda.q_proj.weight.dtype == loaded.lm_head.weight.dtype == torch.bfloat16
+    assert kda.A_log.dtype == kda.dt_bias.dtype == moe.gate.weight.dtype == torch.float32
+    assert moe.gate.e_score_correction_bias.dtype == torch.float32
+    ids = prompt()
+    with torch.no_grad():
+        logits = loaded(ids).logits
+        assert torch.equal(logits, cast(ids).logits)  # the same bf16 model as the in-memory cast
+        expected = reference(ids).logits
+    # bf16 weights and activations through 4 layers against fp32: measured 1.9% of the logit scale
+    assert (logits.float() - expected).abs().max() <= 0.05 * expected.abs().max()
+
+
+def test_fp32_checkpoint_with_dtype_auto_stays_fp32(tmp_path):
+    model = tiny_model("gqa", False)
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype="auto").eval()
+    assert {p.dtype for p in loaded.parameters()} == {torch.float32}
+    ids = prompt()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------------
+# Masks: explicit all ones, a fully padded row
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("attention", ["mla", "gqa"])
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_all_ones_mask_equals_no_mask(attention, impl):
+    model = tiny_model(attention, True, attn_implementation=impl)
+    ids = prompt(B=3)
+    with torch.no_grad():
+        plain = model(ids, use_cache=True)
+        masked = model(ids, attention_mask=torch.ones_like(ids), use_cache=True)
+        assert torch.equal(masked.logits, plain.logits)
+        assert torch.equal(model(ids, attention_mask=torch.ones_like(ids, dtype=torch.bool)).logits, plain.logits)
+        step = prompt(B=3, T=1, seed=4)
+        decoded = model(step, cache=plain.cache).logits
+        assert torch.equal(model(step, cache=masked.cache, attention_mask=torch.ones(3, 10)).logits, decoded)
+
+
+@pytest.mark.parametrize("attention", ["mla", "gqa"])
+def test_fully_padded_row_is_an_empty_sequence(attention):
+    """A row whose mask is all zeros: finite (zero) logits, the other rows as without it, and its cache state that
+    of no tokens, so its next token runs as a fresh sequence."""
+    model = tiny_model(attention, True)
+    ids = prompt(B=3)
+    mask = torch.ones_like(ids)
+    mask[1] = 0
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, use_cache=True)
+        plain = model(ids, use_cache=True)
+        assert torch.isfinite(out.logits).all()
+        assert torch.equal(out.logits[1], torch.zeros_like(out.logits[1]))
+        torch.testing.assert_close(out.logits[[0, 2]], plain.logits[[0, 2]], rtol=1e-5, atol=1e-6)
+        step = prompt(B=3, T=1, seed=4)
+        nxt = model(step, cache=out.cache, attention_mask=torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], 1))
+        torch.testing.assert_close(nxt.logits[1], model(step[1:2]).logits[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(nxt.logits[[0, 2]], model(step, cache=plain.cache).logits[[0, 2]],
+                                   rtol=1e-5, atol=1e-6)

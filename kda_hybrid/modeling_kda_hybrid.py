@@ -115,6 +115,29 @@ class KDAHybridPreTrainedModel(PreTrainedModel):
         if is_main_process:
             write_model_card(self.config, save_directory)  # README.md; a card the user wrote is kept
 
+    def resize_token_embeddings(self, new_num_tokens=None, pad_to_multiple_of=None, mean_resizing=True):
+        """transformers' resize, refused before any change when the new vocabulary would leave out one of the
+        config's special token ids: KDAHybridConfig refuses a token id outside the vocabulary (transformers' own
+        configs only warn), so the resized model would save a checkpoint that no longer loads."""
+        size = new_num_tokens
+        if size is None:
+            size = self.get_input_embeddings().weight.shape[0]
+        if isinstance(pad_to_multiple_of, int) and not isinstance(pad_to_multiple_of, bool) and pad_to_multiple_of > 0:
+            size = -(-size // pad_to_multiple_of) * pad_to_multiple_of
+        if isinstance(size, int):
+            outside = []
+            for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+                value = getattr(self.config, name, None)
+                tokens = value if isinstance(value, (list, tuple)) else [value]
+                if any(isinstance(t, int) and t >= size for t in tokens):
+                    outside.append(f"{name}={value}")
+            if outside:
+                raise ValueError(
+                    f"resize_token_embeddings to {size} tokens would leave {', '.join(outside)} outside the "
+                    "vocabulary, and a config with a special token outside it does not load: set it to None or to an "
+                    f"id below {size} first (model.config.<name> = ...), or keep a larger vocabulary")
+        return super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
+
     def _upload_modified_files(self, working_dir, repo_id, *args, **kwargs):
         write_model_card(self.config, working_dir, model_id=repo_id)  # replaces push_to_hub's placeholder card
         return super()._upload_modified_files(working_dir, repo_id, *args, **kwargs)
@@ -210,7 +233,7 @@ class KDAHybridModel(KDAHybridPreTrainedModel):
                 cache = past_key_values
         B, T = _check_tokens(input_ids, inputs_embeds, self.config.hidden_size)
         if cache is not None and not isinstance(cache, KDAHybridCache):
-            raise TypeError(f"cache must be a KDAHybridCache, got {type(cache).__name__}")
+            raise TypeError(_foreign_cache_message(cache))
         asked_for_cache = bool(use_cache) or cache is not None
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
@@ -304,6 +327,12 @@ class KDAHybridModel(KDAHybridPreTrainedModel):
         else:
             path = "masked"
         return AttentionLayerInputs(path=path, mask=mask, **inputs)
+
+
+def _foreign_cache_message(cache) -> str:
+    return (f"cache must be a KDAHybridCache, got {type(cache).__name__}: transformers' caches hold no KDA conv or "
+            "recurrent states. Build one with KDAHybridCache(model.config), or leave cache unset (generate() and "
+            "use_cache=True build it)")
 
 
 def _config_default(value, config, name):
@@ -441,11 +470,19 @@ class KDAHybridForCausalLM(KDAHybridPreTrainedModel, GenerationMixin):
         """generate() builds a DynamicCache for ordinary models; this model needs its hybrid cache."""
         user_cache = model_kwargs.get("cache")
         if user_cache is not None and not isinstance(user_cache, KDAHybridCache):
-            raise TypeError(f"cache must be a KDAHybridCache, got {type(user_cache).__name__}")
+            raise TypeError(_foreign_cache_message(user_cache))
+        if user_cache is not None and generation_config.use_cache is False:
+            # transformers would run the whole sequence at every step and the model would add each run to the cache
+            # on top of the last: wrong tokens from the second on, and a cache holding sum(lengths) tokens
+            raise ValueError(
+                "generate() got a cache and use_cache=False: without use_cache every step feeds the whole sequence "
+                "again, and a given cache would take it on top of what it holds. Leave use_cache at True to continue "
+                "from the cache, or pass no cache")
         if user_cache is None and generation_config.use_cache is not False and \
                 generation_config.cache_implementation not in (None, "dynamic"):
             raise ValueError(f"cache_implementation={generation_config.cache_implementation!r} is not supported: "
-                             "KDA hybrid models use their own KDAHybridCache (leave cache_implementation unset)")
+                             "KDA hybrid models use their own KDAHybridCache (leave cache_implementation unset, or "
+                             "'dynamic'); for offloading, call cache.offload(layer_idx) on a KDAHybridCache")
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         if user_cache is None and model_kwargs.get("cache") is not None:
             cache = KDAHybridCache(self.config)
@@ -465,15 +502,30 @@ class KDAHybridForCausalLM(KDAHybridPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, new_embeddings):
         self.lm_head = new_embeddings
 
+    def init_continuous_batching(self, *args, **kwargs):
+        """Continuous batching (generate_batch, generate(cache_implementation="paged")) keeps a paged KV cache of
+        attention layers only; transformers would fail on the first KDA layer type ("Invalid layer type")."""
+        raise NotImplementedError(
+            "continuous batching (generate_batch, init_continuous_batching, cache_implementation='paged') is not "
+            "supported: its paged cache holds attention keys and values only, and KDA layers carry a recurrent state "
+            "per sequence. Use generate() on a padded batch")
+
     def _prefill(self, input_ids, generation_config, model_kwargs, is_first_iteration=True):
         """transformers cuts a prompt that restarts from a cache down to its new tokens only when some cache layer is
         attention (`not all(cache.is_linear)`): with KDA layers only (a draft model, a KDA-only model continuing a
         conversation) the whole sequence would run again on top of the cache. Cut it by transformers' own rule: the
-        input is the full sequence when it is as long as the attention mask (or the all-ones mask generate dropped)."""
+        input is the full sequence when it is as long as the attention mask (or the all-ones mask generate dropped).
+        inputs_embeds restarting from a cache must be that full sequence (transformers' rule): fewer is an error."""
         cache = model_kwargs.get("cache")
         past = cache.get_seq_length() if isinstance(cache, KDAHybridCache) else 0
+        embeds = model_kwargs.get("inputs_embeds")
+        if past and is_first_iteration and embeds is not None and embeds.shape[1] <= past:
+            # transformers keeps the last (length - past) embeddings as the new tokens: here none would be left
+            raise ValueError(
+                f"generate() got inputs_embeds of shape {tuple(embeds.shape)} with a cache holding {past} tokens: "
+                f"when restarting from a cache, inputs_embeds hold the whole sequence, the {past} cached tokens "
+                f"followed by at least one new one ([B, {past} + new, hidden]), or pass a new cache")
         if past and all(cache.is_linear):
-            embeds = model_kwargs.get("inputs_embeds")
             if embeds is not None and is_first_iteration:  # restarting from inputs_embeds: always the full sequence
                 model_kwargs = {**model_kwargs, "inputs_embeds": embeds[:, past:]}
             else:

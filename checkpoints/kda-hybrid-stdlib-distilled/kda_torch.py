@@ -505,10 +505,12 @@ def _chunk_fwd_nograd(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, state, C
     def flat(x):  # [N, B, H, C, D] -> [N * B * H, C, D]
         return x.view(-1, *x.shape[-2:])
 
-    if use_qk_l2norm_in_kernel:
-        fq, kc = _l2norm_factor(q, scale), chunked(k, _l2norm_factor(k, 1.0))
-    else:
-        fq, kc = scale, chunked(k)
+    # k, then q, of chunk n, head h: one [2C, K] block, so that one product gives A_kk over A_qk
+    kq = torch.empty(N, B, H, 2 * C, K, dtype=dtype, device=q.device)
+    kc, qE = kq[..., :C, :], kq[..., C:, :]
+    fq = _l2norm_factor(q, scale) if use_qk_l2norm_in_kernel else scale
+    kv = _chunks(k, N, C)
+    kc.copy_(kv) if not use_qk_l2norm_in_kernel else torch.mul(kv, _chunks(_l2norm_factor(k, 1.0), N, C), out=kc)
     qv = _chunks(q, N, C)  # [N, B, H, C, K] view
     G = chunked(g).cumsum_(-2)  # a cumsum reading the permuted layout costs 1.6x the copy and a contiguous cumsum
     b = _chunks(beta.unsqueeze(-1), N, C).reshape(-1, C, 1)  # [N * B * H, C, 1]
@@ -522,9 +524,9 @@ def _chunk_fwd_nograd(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, state, C
         E = G.sub_(a).exp_()
         kT = torch.div(kc, E)  # k exp(a - G)
         kE = kc.mul_(E)
-        qE = E.mul_(qv)
-        kTt = flat(kT).transpose(1, 2)
-        A_kk, A_qk = torch.bmm(flat(kE), kTt).mul_(b), torch.bmm(flat(qE), kTt).tril_()  # [N * B * H, C, C]
+        torch.mul(E, qv, out=qE)
+        A = torch.bmm(kq.view(-1, 2 * C, K), flat(kT).transpose(1, 2))  # [N * B * H, 2C, C]: A_kk over A_qk
+        A_kk, A_qk = A[:, :C].mul_(b), A[:, C:].tril_()
         post = p
         if not end:  # the update's keys k exp(G_last - G) = (k / E) exp(G_last / 2)
             kT, pre = kT.mul_(p), p
@@ -551,7 +553,7 @@ def _chunk_fwd_nograd(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, state, C
     # multiply-adds a chunk), and the output of chunk n made while its state is in cache.
     A_inv = _unit_lower_inverse(A_kk).mul_(b.view(-1, 1, C)).view(N, BH, C, C).unbind()
     A_qk = A_qk.view(N, BH, C, C).unbind()
-    qE, kE = qE.reshape(N, BH, C, K).unbind(), kE.view(N, BH, C, K).unbind()
+    qE, kE = qE.reshape(N, BH, C, K).unbind(), kE.reshape(N, BH, C, K).unbind()  # views
     kT = kT.view(N, BH, C, K).transpose(-1, -2).unbind()  # [B*H, K, C] each
     pre, post = (None if x is None else x.reshape(N, BH, K, 1).unbind() for x in (pre, post))
     vv = _chunks(v, N, C)  # chunk n, [B, H, C, V]: a view of v when B = 1, else one copy
@@ -560,20 +562,28 @@ def _chunk_fwd_nograd(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, state, C
     v_new, r = o.new_empty(BH, C, V), o.new_empty(BH, C, V)
     S_all = state.new_empty(N + 1 if return_chunk_states else 2, BH, K, V)
     S_all[0].copy_(state.reshape(BH, K, V))
-    P = S_all[0] if post is None else torch.mul(S_all[0], post[0])
+    if post is not None:  # P and S' share a buffer (S' = P + kT^T v_new in place); the next P goes to the other
+        work = S_all[:2] if not return_chunk_states else state.new_empty(2, BH, K, V)
+        P = torch.mul(S_all[0], post[0], out=work[1])
+    else:
+        P = S_all[0]
     for n in range(N):
-        S_next = S_all[n + 1] if return_chunk_states else S_all[1 - n % 2]
         torch.baddbmm(vc[n], kE[n], P, alpha=-1, out=r)
         torch.bmm(A_inv[n], r, out=v_new)
         torch.bmm(qE[n], P, out=o[n]).baddbmm_(A_qk[n], v_new)
         if pre is None:
-            torch.baddbmm(P, kT[n], v_new, out=S_next)
+            S_next = P.baddbmm_(kT[n], v_new)
+            if return_chunk_states:
+                S_all[n + 1].copy_(S_next)
+            if n + 1 < N:
+                P = torch.mul(S_next, post[n + 1], out=work[n % 2])
         else:
+            S_next = S_all[n + 1] if return_chunk_states else S_all[1 - n % 2]
             torch.mul(P, pre[n], out=S_next).baddbmm_(kT[n], v_new)
-        if post is None:
-            P = S_next
-        elif n + 1 < N:
-            torch.mul(S_next, post[n + 1], out=P)
+            if post is None:
+                P = S_next
+            elif n + 1 < N:
+                P = torch.mul(S_next, post[n + 1], out=work[n % 2])
     o = o.view(N, B, H, C, V)
     torch.mul(o, _chunks(fq, N, C) if isinstance(fq, torch.Tensor) else fq, out=_chunks(out, N, C))
     S = S_next.view(B, H, K, V)

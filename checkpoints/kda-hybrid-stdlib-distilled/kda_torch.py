@@ -560,11 +560,13 @@ def _chunk_fwd_nograd(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, state, C
     vc = vv.squeeze(1).unbind() if B == 1 else chunked(v).view(N, BH, C, V).unbind()
     o = v.new_empty(N, BH, C, V, dtype=dtype)
     v_new, r = o.new_empty(BH, C, V), o.new_empty(BH, C, V)
+    S0 = state.reshape(BH, K, V)
     S_all = state.new_empty(N + 1 if return_chunk_states else 2, BH, K, V)
-    S_all[0].copy_(state.reshape(BH, K, V))
+    if return_chunk_states or post is None:
+        S_all[0].copy_(S0)
     if post is not None:  # P and S' share a buffer (S' = P + kT^T v_new in place); the next P goes to the other
         work = S_all[:2] if not return_chunk_states else state.new_empty(2, BH, K, V)
-        P = torch.mul(S_all[0], post[0], out=work[1])
+        P = torch.mul(S0, post[0], out=work[1])
     else:
         P = S_all[0]
     for n in range(N):

@@ -508,9 +508,13 @@ def _chunk_fwd_nograd(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, state, C
     # k, then q, of chunk n, head h: one [2C, K] block, so that one product gives A_kk over A_qk
     kq = torch.empty(N, B, H, 2 * C, K, dtype=dtype, device=q.device)
     kc, qE = kq[..., :C, :], kq[..., C:, :]
-    fq = _l2norm_factor(q, scale) if use_qk_l2norm_in_kernel else scale
     kv = _chunks(k, N, C)
-    kc.copy_(kv) if not use_qk_l2norm_in_kernel else torch.mul(kv, _chunks(_l2norm_factor(k, 1.0), N, C), out=kc)
+    if use_qk_l2norm_in_kernel:
+        fq = _l2norm_factor(q, scale)
+        torch.mul(kv, _chunks(_l2norm_factor(k, 1.0), N, C), out=kc)
+    else:
+        fq = scale
+        kc.copy_(kv)
     qv = _chunks(q, N, C)  # [N, B, H, C, K] view
     G = chunked(g).cumsum_(-2)  # a cumsum reading the permuted layout costs 1.6x the copy and a contiguous cumsum
     b = _chunks(beta.unsqueeze(-1), N, C).reshape(-1, C, 1)  # [N * B * H, C, 1]

@@ -919,6 +919,30 @@ def test_anchored_form_past_the_one_anchor_bound(grad, monkeypatch):
     assert_all_close(list(got), list(ref), ["o", "s", "chunk states"], rel=1e-5)
 
 
+@pytest.mark.parametrize("anchor", ["end", "halfway"])
+@pytest.mark.parametrize("B,l2norm,states", [(1, True, False), (2, False, False), (1, True, True)],
+                         ids=["B1-l2norm", "B2-raw", "B1-chunk-states"])
+def test_no_grad_anchor_at_chunk_end_or_halfway(anchor, B, l2norm, states, monkeypatch):
+    """Without autograd, chunks decaying at most e^-MAX_BLOCK_DECAY are anchored at their end (the scan carries
+    exp(G_last) S); made 0 here, the same ordinary decays take the halfway anchor (the scan carries exp(G_last / 2) S).
+    Both against the float64 token-by-token reference: output, final state (and the states entering every chunk of
+    64 while computing in chunks of 64, with states; q unnormalised and only scaled, with raw)."""
+    from kda_hybrid import kda_torch
+
+    q, k, v, g, beta, h0 = make_inputs(B, 150, 2, 16, 24, init_state=True)
+    assert 0 < _max_chunk_decay(g, 32) < kda_torch.MAX_BLOCK_DECAY  # ordinary decays: the end anchor by default
+    if anchor == "halfway":
+        monkeypatch.setattr(kda_torch, "MAX_BLOCK_DECAY", 0.0)
+    monkeypatch.setattr(kda_torch, "_gated_products", lambda *a: pytest.fail("took the hierarchy"))
+    kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=l2norm,
+              return_intermediate_states=states)
+    with torch.no_grad():
+        got = chunk_kda(q, k, v, g, beta, backend="torch", **kw)
+    ref = chunk_kda(*(x.double() for x in (q, k, v, g, beta)), backend="reference",
+                    **{**kw, "initial_state": h0.double()})
+    assert_all_close(list(got), list(ref), ["o", "s", "chunk states"][: len(got)], rel=1e-5)
+
+
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
 def test_state_crosses_anchored_and_hierarchical_groups(grad, monkeypatch):
     """Groups of chunks (GROUP_TOKENS, made 64 here) take their form each on their own: ordinary decay (anchored),

@@ -290,21 +290,26 @@ def _unit_lower_inverse(A):
     upper triangle may hold overflowed products). The diagonal blocks of INVERSE_BLOCK are solved in one batched
     call, then merged pairwise, [[P, 0], [L, Q]]^-1 = [[P^-1, 0], [-Q^-1 L P^-1, Q^-1]]: two small matmuls per
     merge instead of a long triangular solve. At C = 64 on one CPU thread (M = 32 chunks x heads) this took
-    0.34-0.45 ms against 0.62 ms for one solve_triangular of the whole matrix (min of 30, /tmp A/B)."""
+    0.34-0.45 ms against 0.62 ms for one solve_triangular of the whole matrix (min of 30, /tmp A/B). The blocks are
+    written into one zeroed [M, C, C] result through strided views of its diagonal and lower-left blocks, not
+    assembled with torch.cat: at C = 32, M = 64 the three cats of [M, C, C] had cost about as much as the solve."""
     A = A.contiguous()
     M, C, _ = A.shape
     s, off = min(C, INVERSE_BLOCK), A.storage_offset()
     diag = A.as_strided((M, C // s, s, s), (C * C, s * (C + 1), C, 1), off)  # the diagonal blocks, a view
     eye = torch.eye(s, dtype=A.dtype, device=A.device).expand(diag.shape)
     D = torch.linalg.solve_triangular(diag, eye, upper=False, unitriangular=True)  # [M, C / s, s, s]
-    while s < C:
-        D = D.unflatten(1, (-1, 2))  # [M, m, 2, s, s]: pairs of diagonal blocks, merged into blocks of 2s
-        P, Q = D[:, :, 0], D[:, :, 1]
-        L = A.as_strided((M, C // (2 * s), s, s), (C * C, 2 * s * (C + 1), C, 1), off + s * C)  # their lower-left
-        low = -(Q @ (L @ P))
-        D = torch.cat((torch.cat((P, torch.zeros_like(P)), -1), torch.cat((low, Q), -1)), -2)  # [M, m, 2s, 2s]
+    if s == C:
+        return D.reshape(M, C, C)
+    X = A.new_zeros(M, C, C)
+    X.as_strided(diag.shape, diag.stride()).copy_(D)
+    while s < C:  # pairs of diagonal blocks of X, merged into blocks of 2s: their lower-left block -Q L P
+        blocks = (M, C // (2 * s), s, s), (C * C, 2 * s * (C + 1), C, 1)
+        P, Q = X.as_strided(*blocks, 0), X.as_strided(*blocks, s * C + s)
+        L = A.as_strided(*blocks, off + s * C)
+        torch.neg(Q @ (L @ P), out=X.as_strided(*blocks, s * C))
         s *= 2
-    return D.reshape(M, C, C)
+    return X
 
 
 class _UnitLowerInverse(torch.autograd.Function):
@@ -386,9 +391,9 @@ def _chunks(x, N, C):
 
 
 def _chunk_fwd(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, state, C, return_chunk_states=False):
-    """Chunked KDA on raw inputs [B, Tg, H, .] (Tg a multiple of C) from `state` [B, H, K, V] (compute dtype).
-    Returns o [N, B, H, C, V] (chunk-major), the final state (and the state entering every chunk,
-    [B, H, N, K, V], with return_chunk_states). Without autograd every step writes into its own buffers in place.
+    """Chunked KDA with autograd on raw inputs [B, Tg, H, .] (Tg a multiple of C) from `state` [B, H, K, V] (compute
+    dtype). Returns o [N, B, H, C, V] (chunk-major), the final state (and the state entering every chunk,
+    [B, H, N, K, V], with return_chunk_states). Without autograd _chunk_fwd_nograd does the same in place.
 
     Common case, no channel decays by more than e^-MAX_ANCHORED_DECAY over a chunk: the gated products are
     anchored halfway through each chunk's decay, a = G_last / 2 per channel, E = exp(G - a) within e^+-60:
@@ -400,17 +405,11 @@ def _chunk_fwd(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, state, C, retur
     V = v.shape[-1]
     N, BH = Tg // C, B * H
     dtype = state.dtype
-    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, g, beta, state))
     q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
 
     def chunked(x, f=None):  # [B, Tg, H, D] (times f, [B, Tg, H, 1] or a number) -> contiguous [N, B, H, C, D]
-        xv = _chunks(x, N, C)
-        fv = _chunks(f, N, C) if isinstance(f, torch.Tensor) else f
-        if grad:
-            xv = xv.contiguous()
-            return xv if f is None else xv * fv
-        out = torch.empty(xv.shape, dtype=dtype, device=x.device)
-        return out.copy_(xv) if f is None else torch.mul(xv, fv, out=out)
+        xv = _chunks(x, N, C).contiguous()
+        return xv if f is None else xv * (_chunks(f, N, C) if isinstance(f, torch.Tensor) else f)
 
     def flat(x):  # [N, B, H, C, D] -> [N * B * H, C, D]
         return x.view(-1, *x.shape[-2:])
@@ -420,8 +419,7 @@ def _chunk_fwd(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, state, C, retur
     else:
         qc, kc = chunked(q, scale), chunked(k)
     vc, gc = chunked(v), chunked(g)  # [N, B, H, C, V], [N, B, H, C, K]
-    # a cumsum reading the permuted layout costs 1.6x the copy and a contiguous cumsum together
-    G = gc.cumsum(-2) if grad else torch.cumsum(gc, -2, out=gc)
+    G = gc.cumsum(-2)
     b = _chunks(beta.unsqueeze(-1), N, C).reshape(-1, C, 1)  # [N * B * H, C, 1]
     G_last = G[..., -1:, :]  # [N, B, H, 1, K]
 
@@ -429,29 +427,19 @@ def _chunk_fwd(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, state, C, retur
         a = G_last * 0.5  # [N, B, H, 1, K]
         ea = a.exp()  # decay from the chunk start to the anchor, and from the anchor to the chunk end
         trans = ea * ea  # exp(G_last), the decay of the state across the chunk
-        if grad:
-            E = torch.exp(G - a)
-            kF = kc * torch.exp(a - G)  # not kc / E: its backward squares E, which overflows
-            qE, kE = qc * E, kc * E
-        else:
-            E = G.sub_(a).exp_()
-            kF = torch.div(kc, E)
-            qE, kE = qc.mul_(E), kc.mul_(E)
+        E = torch.exp(G - a)
+        kF = kc * torch.exp(a - G)  # not kc / E: its backward squares E, which overflows
+        qE, kE = qc * E, kc * E
         kFt = flat(kF).transpose(1, 2)
         A_kk, A_qk = torch.bmm(flat(kE), kFt), torch.bmm(flat(qE), kFt)  # [N * B * H, C, C]
-        if grad:  # tril before beta: an overflowed product above the diagonal times beta's gradient would be NaN
-            A_kk, A_qk = A_kk.tril(-1) * b, A_qk.tril()
-            qx, kx, kT = qE * ea, kE * ea, kF * ea
-        else:  # the inverse reads only the strict lower triangle of A_kk
-            A_kk.mul_(b)
-            A_qk.tril_()
-            qx, kx, kT = qE.mul_(ea), kE.mul_(ea), kF.mul_(ea)
+        # tril before beta: an overflowed product above the diagonal times beta's gradient would be NaN
+        A_kk, A_qk = A_kk.tril(-1) * b, A_qk.tril()
+        qx, kx, kT = qE * ea, kE * ea, kF * ea
     else:
         # Full resets: a token whose decay is exactly 0 in this precision (g = -inf, which g <= 0 allows, or
         # g < -104 in fp32) would put -inf - -inf = NaN into every difference of G. Such tokens leave the
         # cumulative sum (their g counts as 0) and `seg` counts them per channel; _exp_diff gives 0 across a
         # reset, which is exp(g) = 0 of the recurrence, with a zero gradient to g there as in the recurrence.
-        gc = _chunks(g, N, C)
         reset = gc.detach().exp() == 0
         seg = seg_last = None
         if bool(reset.any()):
@@ -472,38 +460,142 @@ def _chunk_fwd(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, state, C, retur
 
     # WY form: w = (I + A_kk)^-1 diag(beta) k exp(G), u = (I + A_kk)^-1 diag(beta) v, v_new = u - w S; beta scales
     # the C x C inverse's columns rather than the wider K- and V-channel operands.
-    b_row = b.view(-1, 1, C)
-    A_inv = _UnitLowerInverse.apply(A_kk) * b_row if grad else _unit_lower_inverse(A_kk).mul_(b_row)
+    A_inv = (_UnitLowerInverse.apply(A_kk) * b.view(-1, 1, C)).view(N, BH, C, C)
     qx, kx, vc = qx.view(N, BH, C, K), kx.view(N, BH, C, K), vc.view(N, BH, C, V)
-    kT = kT.view(N, BH, C, K).transpose(-1, -2)  # [N, B*H, K, C]
+    kT = kT.view(N, BH, C, K)
     trans = trans.reshape(N, BH, K, 1)
-    S = state.reshape(BH, K, V)
-    # The only sequential part: the state entering each chunk S, v_new, and S' = exp(G_last) S + kT^T v_new, with
-    # chunk n of all sequences and heads one [B*H, ., .] block.
-    if grad:
-        A_inv = A_inv.view(N, BH, C, C)
-        kT = kT.transpose(-1, -2)  # [N, B*H, C, K]
-        v_new, S_all, S = _StateScan.apply(A_inv @ kx, A_inv @ vc, kT, trans, S)
-        o = torch.baddbmm(torch.bmm(qx.flatten(0, 1), S_all.flatten(0, 1)), A_qk, v_new.flatten(0, 1))
-    else:
-        # In place, v_new = A_inv (v - k exp(G) S) (w is never formed: C^2 K fewer multiply-adds a chunk, 9% of
-        # them at K = V = 128), and the output of chunk n made while its state is in cache.
-        A_inv, A_qk = A_inv.view(N, BH, C, C), A_qk.view(N, BH, C, C)
-        o, v_new, r = torch.empty_like(vc), torch.empty_like(vc[0]), torch.empty_like(vc[0])
-        S_all = S.new_empty(N + 1, BH, K, V) if return_chunk_states else S.new_empty(2, BH, K, V)
-        S_all[0].copy_(S)
-        for n in range(N):
-            S, S_next = (S_all[n], S_all[n + 1]) if return_chunk_states else (S_all[n % 2], S_all[1 - n % 2])
-            torch.baddbmm(vc[n], kx[n], S, alpha=-1, out=r)
-            torch.bmm(A_inv[n], r, out=v_new)
-            torch.bmm(qx[n], S, out=o[n]).baddbmm_(A_qk[n], v_new)
-            torch.mul(S, trans[n], out=S_next)
-            S_next.baddbmm_(kT[n], v_new)
-        S, S_all = S_next, S_all[:N]
+    # The only sequential part, one autograd node: the state entering each chunk S, v_new, and
+    # S' = exp(G_last) S + kT^T v_new, with chunk n of all sequences and heads one [B*H, ., .] block.
+    v_new, S_all, S = _StateScan.apply(A_inv @ kx, A_inv @ vc, kT, trans, state.reshape(BH, K, V))
+    o = torch.baddbmm(torch.bmm(qx.flatten(0, 1), S_all.flatten(0, 1)), A_qk, v_new.flatten(0, 1))
     o, S = o.view(N, B, H, C, V), S.view(B, H, K, V)
     if not return_chunk_states:
         return o, S
     return o, S, S_all.view(N, B, H, K, V).permute(1, 2, 0, 3, 4)  # [B, H, N, K, V]
+
+
+@torch.no_grad()
+def _chunk_fwd_nograd(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, state, C, out, return_chunk_states=False):
+    """_chunk_fwd without autograd, every step into its own buffers in place: the output goes into `out`
+    ([B, Tg, H, V], token-major, compute dtype); returns (the final state,) (and the states entering the chunks,
+    [B, H, N, K, V], with return_chunk_states).
+
+    q enters unscaled and unnormalised: both output terms are linear in each query row, so its factor (the l2 norm's
+    times the scale) multiplies the output once, in the copy into `out`, instead of a pass over q. The scan carries
+    P = Diag(p) S, the state times a per-channel factor p fixed per chunk, so that the query and key factors of the
+    gated products serve the scan unchanged (no further passes to form q exp(G) and k exp(G)):
+
+    - decays up to e^-MAX_BLOCK_DECAY over a chunk (the common case): anchored at the chunk end, E = exp(G - G_last)
+      in [1, e^60], q E and k E as they are and k / E = k exp(G_last - G) the update's keys; p = exp(G_last), the
+      state's decay, so S' = P + (k / E)^T v_new and the next chunk's P = p' S'. Two ops a chunk on the state, as
+      for S' = exp(G_last) S + ..., with S itself exact at every chunk end;
+    - up to e^-MAX_ANCHORED_DECAY: anchored halfway (E within e^+-60), p = exp(G_last / 2), S' = p P + ...;
+    - beyond, or with full resets: the hierarchy of _gated_products and the decays exponentiated directly, P = S."""
+    B, Tg, H, K = q.shape
+    V = v.shape[-1]
+    N, BH = Tg // C, B * H
+    dtype = state.dtype
+    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
+
+    def chunked(x, f=None):  # [B, Tg, H, D] (times f, [B, Tg, H, 1] or None) -> contiguous [N, B, H, C, D]
+        xv = _chunks(x, N, C)
+        buf = torch.empty(xv.shape, dtype=dtype, device=x.device)
+        return buf.copy_(xv) if f is None else torch.mul(xv, _chunks(f, N, C), out=buf)
+
+    def flat(x):  # [N, B, H, C, D] -> [N * B * H, C, D]
+        return x.view(-1, *x.shape[-2:])
+
+    # k, then q, of chunk n, head h: one [2C, K] block, so that one product gives A_kk over A_qk
+    kq = torch.empty(N, B, H, 2 * C, K, dtype=dtype, device=q.device)
+    kc, qE = kq[..., :C, :], kq[..., C:, :]
+    kv = _chunks(k, N, C)
+    if use_qk_l2norm_in_kernel:
+        fq = _l2norm_factor(q, scale)
+        torch.mul(kv, _chunks(_l2norm_factor(k, 1.0), N, C), out=kc)
+    else:
+        fq = scale
+        kc.copy_(kv)
+    qv = _chunks(q, N, C)  # [N, B, H, C, K] view
+    G = chunked(g).cumsum_(-2)  # a cumsum reading the permuted layout costs 1.6x the copy and a contiguous cumsum
+    b = _chunks(beta.unsqueeze(-1), N, C).reshape(-1, C, 1)  # [N * B * H, C, 1]
+    G_last = G[..., -1:, :]  # [N, B, H, 1, K]
+    low = float(G_last.min())
+    pre = post = None  # S' = pre * P + kT^T v_new, P' = post' * S' (None: 1)
+    if low >= -MAX_ANCHORED_DECAY:
+        end = low >= -MAX_BLOCK_DECAY
+        a = G_last.clone() if end else G_last * 0.5  # [N, B, H, 1, K]; G_last itself is overwritten next
+        p = a.exp()
+        E = G.sub_(a).exp_()
+        kT = torch.div(kc, E)  # k exp(a - G)
+        kE = kc.mul_(E)
+        torch.mul(E, qv, out=qE)
+        A = torch.bmm(kq.view(-1, 2 * C, K), flat(kT).transpose(1, 2))  # [N * B * H, 2C, C]: A_kk over A_qk
+        A_kk, A_qk = A[:, :C].mul_(b), A[:, C:].tril_()
+        post = p
+        if not end:  # the update's keys k exp(G_last - G) = (k / E) exp(G_last / 2)
+            kT, pre = kT.mul_(p), p
+    else:
+        # Full resets: see _chunk_fwd.
+        gc = _chunks(g, N, C)
+        reset = gc.exp() == 0
+        seg = seg_last = None
+        if bool(reset.any()):
+            gc = gc.masked_fill(reset, 0.0)
+            G = gc.cumsum(-2)
+            G_last = G[..., -1:, :]
+            seg = reset.cumsum(-2, dtype=torch.int32)
+            seg_last = seg[..., -1:, :]
+        decay = _exp_diff(G, 0.0, seg, 0)  # <= 1: decay from the chunk start to each token
+        A_kk, A_qk = (flat(x) for x in _gated_products(qv, kc, G, seg))
+        A_kk = A_kk * b
+        qE, kE = qv * decay, kc * decay
+        after = torch.cat((gc[..., 1:, :], torch.zeros_like(gc[..., :1, :])), dim=-2).flip(-2).cumsum(-2).flip(-2)
+        kT = kc * _exp_diff(after, 0.0, seg_last, seg)
+        pre = _exp_diff(G_last, 0.0, seg_last, 0)
+
+    # v_new = A_inv (v - k exp(G) S) with A_inv = (I + A_kk)^-1 diag(beta) (w is never formed: C^2 K fewer
+    # multiply-adds a chunk), and the output of chunk n made while its state is in cache.
+    A_inv = _unit_lower_inverse(A_kk).mul_(b.view(-1, 1, C)).view(N, BH, C, C).unbind()
+    A_qk = A_qk.view(N, BH, C, C).unbind()
+    qE, kE = qE.reshape(N, BH, C, K).unbind(), kE.reshape(N, BH, C, K).unbind()  # views
+    kT = kT.view(N, BH, C, K).transpose(-1, -2).unbind()  # [B*H, K, C] each
+    pre, post = (None if x is None else x.reshape(N, BH, K, 1).unbind() for x in (pre, post))
+    vv = _chunks(v, N, C)  # chunk n, [B, H, C, V]: a view of v when B = 1, else one copy
+    vc = vv.squeeze(1).unbind() if B == 1 else chunked(v).view(N, BH, C, V).unbind()
+    o = v.new_empty(N, BH, C, V, dtype=dtype)
+    v_new, r = o.new_empty(BH, C, V), o.new_empty(BH, C, V)
+    S0 = state.reshape(BH, K, V)
+    S_all = state.new_empty(N + 1 if return_chunk_states else 2, BH, K, V)
+    if return_chunk_states or post is None:
+        S_all[0].copy_(S0)
+    if post is not None:  # P and S' share a buffer (S' = P + kT^T v_new in place); the next P goes to the other
+        work = S_all[:2] if not return_chunk_states else state.new_empty(2, BH, K, V)
+        P = torch.mul(S0, post[0], out=work[1])
+    else:
+        P = S_all[0]
+    for n in range(N):
+        torch.baddbmm(vc[n], kE[n], P, alpha=-1, out=r)
+        torch.bmm(A_inv[n], r, out=v_new)
+        torch.bmm(qE[n], P, out=o[n]).baddbmm_(A_qk[n], v_new)
+        if pre is None:
+            S_next = P.baddbmm_(kT[n], v_new)
+            if return_chunk_states:
+                S_all[n + 1].copy_(S_next)
+            if n + 1 < N:
+                P = torch.mul(S_next, post[n + 1], out=work[n % 2])
+        else:
+            S_next = S_all[n + 1] if return_chunk_states else S_all[1 - n % 2]
+            torch.mul(P, pre[n], out=S_next).baddbmm_(kT[n], v_new)
+            if post is None:
+                P = S_next
+            elif n + 1 < N:
+                P = torch.mul(S_next, post[n + 1], out=work[n % 2])
+    o = o.view(N, B, H, C, V)
+    torch.mul(o, _chunks(fq, N, C) if isinstance(fq, torch.Tensor) else fq, out=_chunks(out, N, C))
+    S = S_next.view(B, H, K, V)
+    if not return_chunk_states:
+        return (S,)
+    return S, S_all[:N].view(N, B, H, K, V).permute(1, 2, 0, 3, 4)  # [B, H, N, K, V]
 
 
 def _chunk_fwd_grouped(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, state, chunk_size, chunk_states=None):
@@ -528,13 +620,14 @@ def _chunk_fwd_grouped(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, state, 
             xs = [F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad)) for x in xs]
         # the chunk states are dropped at once unless asked for: held over the next group they keep the
         # allocator from reusing their buffer, which cost the common call 5-8% (T = 1024-4096, H = 4, K = V = 128)
-        o, state, *S = _chunk_fwd(*xs, scale, use_qk_l2norm_in_kernel, state, C, chunk_states is not None)
-        o = o.permute(1, 0, 3, 2, 4)  # [B, N, C, H, V]
+        Tg = xs[0].shape[1]
         if grad:
-            outs.append(o)
+            o, state, *S = _chunk_fwd(*xs, scale, use_qk_l2norm_in_kernel, state, C, chunk_states is not None)
+            outs.append(o.permute(1, 0, 3, 2, 4))  # [B, N, C, H, V]
         else:
-            out[:, t0 : t0 + o.shape[1] * C].unflatten(1, o.shape[1:3]).copy_(o)
-        t0 += o.shape[1] * C
+            state, *S = _chunk_fwd_nograd(*xs, scale, use_qk_l2norm_in_kernel, state, C, out[:, t0 : t0 + Tg],
+                                          chunk_states is not None)
+        t0 += Tg
         if S:
             chunk_states.append(S[0])
     if grad:

@@ -390,6 +390,31 @@ def _chunks(x, N, C):
     return x.unflatten(1, (N, C)).permute(1, 0, 3, 2, 4)
 
 
+def _strong_decay_products(q, k, gc, G, b):
+    """The chunk tensors of the chunked form when some channel decays by more than an anchored product allows, or
+    fully resets: q, k, gc (per-token log decays), G (their cumulative sums) [N, B, H, C, K]; b (beta) [N*B*H, C, 1].
+    Returns A_kk times beta and A_qk ([N*B*H, C, C]), q exp(G), k exp(G), k exp(G_last - G) and exp(G_last).
+
+    Full resets: a token whose decay is exactly 0 in this precision (g = -inf, which g <= 0 allows, or g < -104 in
+    fp32) would put -inf - -inf = NaN into every difference of G. Such tokens leave the cumulative sum (their g
+    counts as 0) and `seg` counts them per channel; _exp_diff gives 0 across a reset, which is exp(g) = 0 of the
+    recurrence, with a zero gradient to g there as in the recurrence."""
+    reset = gc.detach().exp() == 0
+    seg = seg_last = None
+    if bool(reset.any()):
+        gc = gc.masked_fill(reset, 0.0)
+        G = gc.cumsum(-2)
+        seg = reset.cumsum(-2, dtype=torch.int32)
+        seg_last = seg[..., -1:, :]
+    decay = _exp_diff(G, 0.0, seg, 0)  # <= 1: decay from the chunk start to each token
+    A_kk, A_qk = (x.reshape(-1, *x.shape[-2:]) for x in _gated_products(q, k, G, seg))
+    # the decay from each token to the chunk end summed over the later tokens, not G_last - G: with g = -6 per
+    # token that difference of two numbers near -300 cost the final state 1e-5 of its precision
+    after = torch.cat((gc[..., 1:, :], torch.zeros_like(gc[..., :1, :])), dim=-2).flip(-2).cumsum(-2).flip(-2)
+    return (A_kk * b, A_qk, q * decay, k * decay, k * _exp_diff(after, 0.0, seg_last, seg),
+            _exp_diff(G[..., -1:, :], 0.0, seg_last, 0))
+
+
 def _chunk_fwd(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, state, C, return_chunk_states=False):
     """Chunked KDA with autograd on raw inputs [B, Tg, H, .] (Tg a multiple of C) from `state` [B, H, K, V] (compute
     dtype). Returns o [N, B, H, C, V] (chunk-major), the final state (and the state entering every chunk,
@@ -436,27 +461,7 @@ def _chunk_fwd(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, state, C, retur
         A_kk, A_qk = A_kk.tril(-1) * b, A_qk.tril()
         qx, kx, kT = qE * ea, kE * ea, kF * ea
     else:
-        # Full resets: a token whose decay is exactly 0 in this precision (g = -inf, which g <= 0 allows, or
-        # g < -104 in fp32) would put -inf - -inf = NaN into every difference of G. Such tokens leave the
-        # cumulative sum (their g counts as 0) and `seg` counts them per channel; _exp_diff gives 0 across a
-        # reset, which is exp(g) = 0 of the recurrence, with a zero gradient to g there as in the recurrence.
-        reset = gc.detach().exp() == 0
-        seg = seg_last = None
-        if bool(reset.any()):
-            gc = gc.masked_fill(reset, 0.0)
-            G = gc.cumsum(-2)
-            G_last = G[..., -1:, :]
-            seg = reset.cumsum(-2, dtype=torch.int32)
-            seg_last = seg[..., -1:, :]
-        decay = _exp_diff(G, 0.0, seg, 0)  # <= 1: decay from the chunk start to each token
-        A_kk, A_qk = (flat(x) for x in _gated_products(qc, kc, G, seg))
-        A_kk = A_kk * b
-        qx, kx = qc * decay, kc * decay
-        # the decay from each token to the chunk end summed over the later tokens, not G_last - G: with g = -6 per
-        # token that difference of two numbers near -300 cost the final state 1e-5 of its precision
-        after = torch.cat((gc[..., 1:, :], torch.zeros_like(gc[..., :1, :])), dim=-2).flip(-2).cumsum(-2).flip(-2)
-        kT = kc * _exp_diff(after, 0.0, seg_last, seg)
-        trans = _exp_diff(G_last, 0.0, seg_last, 0)
+        A_kk, A_qk, qx, kx, kT, trans = _strong_decay_products(qc, kc, gc, G, b)
 
     # WY form: w = (I + A_kk)^-1 diag(beta) k exp(G), u = (I + A_kk)^-1 diag(beta) v, v_new = u - w S; beta scales
     # the C x C inverse's columns rather than the wider K- and V-channel operands.
@@ -535,23 +540,7 @@ def _chunk_fwd_nograd(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, state, C
         if not end:  # the update's keys k exp(G_last - G) = (k / E) exp(G_last / 2)
             kT, pre = kT.mul_(p), p
     else:
-        # Full resets: see _chunk_fwd.
-        gc = _chunks(g, N, C)
-        reset = gc.exp() == 0
-        seg = seg_last = None
-        if bool(reset.any()):
-            gc = gc.masked_fill(reset, 0.0)
-            G = gc.cumsum(-2)
-            G_last = G[..., -1:, :]
-            seg = reset.cumsum(-2, dtype=torch.int32)
-            seg_last = seg[..., -1:, :]
-        decay = _exp_diff(G, 0.0, seg, 0)  # <= 1: decay from the chunk start to each token
-        A_kk, A_qk = (flat(x) for x in _gated_products(qv, kc, G, seg))
-        A_kk = A_kk * b
-        qE, kE = qv * decay, kc * decay
-        after = torch.cat((gc[..., 1:, :], torch.zeros_like(gc[..., :1, :])), dim=-2).flip(-2).cumsum(-2).flip(-2)
-        kT = kc * _exp_diff(after, 0.0, seg_last, seg)
-        pre = _exp_diff(G_last, 0.0, seg_last, 0)
+        A_kk, A_qk, qE, kE, kT, pre = _strong_decay_products(qv, kc, _chunks(g, N, C), G, b)
 
     # v_new = A_inv (v - k exp(G) S) with A_inv = (I + A_kk)^-1 diag(beta) (w is never formed: C^2 K fewer
     # multiply-adds a chunk), and the output of chunk n made while its state is in cache.

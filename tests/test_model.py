@@ -306,6 +306,26 @@ def test_crop_rolls_back_states_exactly():
         torch.testing.assert_close(model(ids[:, 9:10], cache=cache).logits, model(ids[:, 9:10], cache=ref).logits)
 
 
+def test_recording_stops_when_generate_clears_the_layer_flags():
+    """transformers' deferred stop check (generate on mps) ends recording by setting each cache layer's
+    record_past = False: the cache then keeps no more token records either (they grew by a copy of the ids per
+    forward), reports itself as not croppable, and its fingerprint still follows the tokens."""
+    model = tiny_model("mla")
+    ids = prompt(B=2, T=12)
+    cache, ref = KDAHybridCache(model.config), KDAHybridCache(model.config)
+    with torch.no_grad():
+        cache.activate_past_recording()
+        model(ids[:, :6], cache=cache)
+        assert cache.is_croppable and len(cache._fingerprint_records) == 1
+        for layer in cache.layers:
+            layer.record_past = False
+        for t in range(6, 12):
+            model(ids[:, t : t + 1], cache=cache)
+        model(ids, cache=ref)
+    assert not cache.is_croppable and cache._fingerprint_records == []
+    assert torch.equal(cache._fingerprint, ref._fingerprint)
+
+
 def test_crop_without_recording_is_a_clear_error():
     model = tiny_model()
     cache = KDAHybridCache(model.config)

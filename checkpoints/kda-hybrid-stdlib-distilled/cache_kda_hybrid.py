@@ -529,6 +529,18 @@ class KDAHybridCache(Cache):
             self._check_layer_idx(layer_idx)
         return -1  # no layer has a maximum: KV grows, KDA states have no sequence dimension
 
+    def _recording(self) -> bool:
+        """Whether forwards are recorded for crop(): from activate_past_recording() on, until the KDA layers' own
+        flags are cleared (transformers' generate() clears each layer's record_past directly when it hands the
+        cache back; the cache then stops keeping the token records crop() would need as well)."""
+        if not self._record_past:
+            return False
+        kda = [layer for layer in self.layers if isinstance(layer, KDALayerState)]
+        self._record_past = not kda or any(layer.record_past for layer in kda)
+        if not self._record_past:
+            self._fingerprint_records = []
+        return self._record_past
+
     def advance(self, num_tokens: int):
         """Called by the model once per forward, after every layer has consumed its tokens."""
         ids, self._staged_ids = self._staged_ids, None
@@ -541,7 +553,7 @@ class KDAHybridCache(Cache):
             if before is None:
                 before = torch.zeros(ids.shape[0], 2, dtype=torch.int64, device=ids.device)
             self._fingerprint = _hash_extend(before, ids)
-            if self._record_past:
+            if self._recording():
                 self._fingerprint_records.append((before, ids.detach().clone()))
         self._seen_tokens += num_tokens
 

@@ -292,7 +292,8 @@ class KDAHybridModel(KDAHybridPreTrainedModel):
             all_hidden = all_hidden[:-1] + (hidden_states,)
         if cache is not None:
             cache.advance(T)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache if use_cache else None,
+        # a cache given with use_cache=False was still filled: returned, as transformers' built-in models return it
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache,
                                        hidden_states=all_hidden, attentions=all_attentions)
 
     def _attention_inputs(self, inputs_embeds, attention_mask, cache, position_ids, past, cu_seqlens, padded,

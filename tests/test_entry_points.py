@@ -71,6 +71,16 @@ def test_generate_with_a_cache_and_use_cache_false_is_an_error(model):
     assert torch.equal(greedy(model, ids, cache=cache), greedy(model, ids))  # the cache still continues
 
 
+def test_forward_returns_a_given_cache_whatever_use_cache(model):
+    """A forward with cache=c fills c; it comes back as outputs.cache even under use_cache=False (LlamaForCausalLM
+    returns its given cache too), and no cache is made or returned when none was given."""
+    ids = prompt(T=8)
+    with torch.no_grad():
+        cache = KDAHybridCache(model.config)
+        assert model(ids, cache=cache, use_cache=False).cache is cache and cache.get_seq_length() == 8
+        assert model(ids, use_cache=False).cache is None
+
+
 @pytest.mark.parametrize("layer_types", [None, ["linear_attention"] * 2], ids=["hybrid", "kda-only"])
 def test_inputs_embeds_over_a_cache_hold_the_whole_sequence(layer_types):
     """transformers' rule: inputs_embeds restarting from a cache are the whole sequence. The whole sequence

@@ -29,8 +29,13 @@ GROUP_TOKENS = 512  # tokens per group of chunks (see _chunk_fwd_grouped); a mul
 
 def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS, scale: float = 1.0) -> torch.Tensor:
     """scale * x / sqrt(sum(x^2) + eps) over the last dim (vector_norm is one fused pass)."""
-    inv = (torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() + eps).rsqrt()
-    return x * (inv if scale == 1.0 else inv.mul(scale))
+    return x * _l2norm_factor(x, scale, eps)
+
+
+def _l2norm_factor(x, scale=1.0, eps=L2NORM_EPS):
+    """[..., 1] with l2norm(x, eps, scale) = x * factor, so that the norm and a layout copy can be one pass."""
+    f = (torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() + eps).rsqrt()
+    return f if scale == 1.0 else f.mul(scale)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -378,12 +383,6 @@ class _StateScan(torch.autograd.Function):
         return dw, dvn, dkT, dtrans, dS
 
 
-def _l2norm_factor(x, scale):
-    """[..., 1] with l2norm(x, scale=scale) = x * factor, so that the norm and a layout copy are one pass."""
-    f = (torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() + L2NORM_EPS).rsqrt()
-    return f if scale == 1.0 else f.mul(scale)
-
-
 def _chunks(x, N, C):
     """[B, T, H, D] -> [N, B, H, C, D] view: chunk-major, so that once copied chunk n of every sequence and head is
     one contiguous [B*H, C, D] block, which the scan's products read and write in place."""
@@ -436,9 +435,6 @@ def _chunk_fwd(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, state, C, retur
         xv = _chunks(x, N, C).contiguous()
         return xv if f is None else xv * (_chunks(f, N, C) if isinstance(f, torch.Tensor) else f)
 
-    def flat(x):  # [N, B, H, C, D] -> [N * B * H, C, D]
-        return x.view(-1, *x.shape[-2:])
-
     if use_qk_l2norm_in_kernel:
         qc, kc = chunked(q, _l2norm_factor(q, scale)), chunked(k, _l2norm_factor(k, 1.0))
     else:
@@ -455,8 +451,8 @@ def _chunk_fwd(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, state, C, retur
         E = torch.exp(G - a)
         kF = kc * torch.exp(a - G)  # not kc / E: its backward squares E, which overflows
         qE, kE = qc * E, kc * E
-        kFt = flat(kF).transpose(1, 2)
-        A_kk, A_qk = torch.bmm(flat(kE), kFt), torch.bmm(flat(qE), kFt)  # [N * B * H, C, C]
+        kFt = kF.flatten(0, 2).transpose(1, 2)  # [N * B * H, K, C]
+        A_kk, A_qk = torch.bmm(kE.flatten(0, 2), kFt), torch.bmm(qE.flatten(0, 2), kFt)  # [N * B * H, C, C]
         # tril before beta: an overflowed product above the diagonal times beta's gradient would be NaN
         A_kk, A_qk = A_kk.tril(-1) * b, A_qk.tril()
         qx, kx, kT = qE * ea, kE * ea, kF * ea
@@ -507,9 +503,6 @@ def _chunk_fwd_nograd(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, state, C
         buf = torch.empty(xv.shape, dtype=dtype, device=x.device)
         return buf.copy_(xv) if f is None else torch.mul(xv, _chunks(f, N, C), out=buf)
 
-    def flat(x):  # [N, B, H, C, D] -> [N * B * H, C, D]
-        return x.view(-1, *x.shape[-2:])
-
     # k, then q, of chunk n, head h: one [2C, K] block, so that one product gives A_kk over A_qk
     kq = torch.empty(N, B, H, 2 * C, K, dtype=dtype, device=q.device)
     kc, qE = kq[..., :C, :], kq[..., C:, :]
@@ -534,7 +527,7 @@ def _chunk_fwd_nograd(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, state, C
         kT = torch.div(kc, E)  # k exp(a - G)
         kE = kc.mul_(E)
         torch.mul(E, qv, out=qE)
-        A = torch.bmm(kq.view(-1, 2 * C, K), flat(kT).transpose(1, 2))  # [N * B * H, 2C, C]: A_kk over A_qk
+        A = torch.bmm(kq.view(-1, 2 * C, K), kT.flatten(0, 2).transpose(1, 2))  # [N * B * H, 2C, C]: A_kk over A_qk
         A_kk, A_qk = A[:, :C].mul_(b), A[:, C:].tril_()
         post = p
         if not end:  # the update's keys k exp(G_last - G) = (k / E) exp(G_last / 2)

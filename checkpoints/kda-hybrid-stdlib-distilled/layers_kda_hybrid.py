@@ -351,26 +351,22 @@ class KDAHybridDeltaAttention(nn.Module):
         window = torch.cat((before, qkv.unsqueeze(-1)), -1)  # [B, 3C, kernel]
         cache_layer.conv_states = list(window[..., 1:].clone().split(C, 1))  # the last (kernel - 1) inputs
         qkv = F.silu((window * torch.cat(convs)[:, 0]).sum(-1)).view(B, 3, -1, K)  # [B, 3, H, K]
-        f = self.f_b_proj(self.f_a_proj(x2)).float()  # [B, C]
-        g = F.softplus(f + self.dt_bias.float()).view(B, -1, K).mul_(self.A_log.float().exp().neg_().view(-1, 1))
-        beta = torch.sigmoid(self.b_proj(x2).float())  # [B, H]
+        g, beta = self._gates(x)  # [B, 1, H, K], [B, 1, H]
         state = cache_layer.recurrent_state
         if _resolve("auto", x.device) == "torch" and state.is_contiguous():
             # the op's preparation without its [B, T] reshapes: compute dtype, q and k normalised by one norm over
             # both, the scale on q's factor
             qkv = qkv.to(state.dtype)
-            factor = _l2norm_factor(qkv[:, :2], 1.0)  # [B, 2, H, 1]
+            factor = _l2norm_factor(qkv[:, :2])  # [B, 2, H, 1]
             factor[:, 0].mul_(K**-0.5)
             qk = qkv[:, :2] * factor
-            o = _step_(qk[:, 0], qk[:, 1], qkv[:, 2], g, beta, state).to(x.dtype)  # [B, H, V]; state in place
+            o = _step_(qk[:, 0], qk[:, 1], qkv[:, 2], g[:, 0], beta[:, 0], state).unsqueeze(1)  # state in place
         else:
-            o, state = _fused_recurrent_kda(qkv[:, None, 0], qkv[:, None, 1], qkv[:, None, 2], g[:, None],
-                                            beta[:, None], initial_state=state, output_final_state=True,
-                                            inplace_final_state=True, use_qk_l2norm_in_kernel=True)
-            o = o[:, 0]
+            o, state = _fused_recurrent_kda(qkv[:, None, 0], qkv[:, None, 1], qkv[:, None, 2], g, beta,
+                                            initial_state=state, output_final_state=True, inplace_final_state=True,
+                                            use_qk_l2norm_in_kernel=True)
         cache_layer.recurrent_state = state
-        gate = self.g_b_proj(self.g_a_proj(x2)).view(B, -1, K)
-        return self.o_proj(self.o_norm(o, gate).view(B, -1)).view(B, 1, D)
+        return self._output(x, o.to(x.dtype))  # o [B, 1, H, V] -> [B, 1, D]
 
     def _gates(self, x):
         B, T, _ = x.shape

@@ -475,6 +475,12 @@ def _chunk_fwd(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, state, C, retur
     return o, S, S_all.view(N, B, H, K, V).permute(1, 2, 0, 3, 4)  # [B, H, N, K, V]
 
 
+# Never traced by torch.compile, which runs it as the eager code it is (a graph break either way: the anchor choice
+# reads a value): AOT autograd's functionalisation of its in-place steps (kE = kc.mul_(E), a view an in-place op
+# returned, read after another view of the same buffer was written with out=) gave a stale kE, and every chunk after
+# the first was wrong (torch 2.13, aot_eager and inductor alike). Compiled, _chunk_fwd_grouped's loop runs eagerly
+# around its graph break, so no is_compiling() test there can route around this function.
+@torch.compiler.disable
 @torch.no_grad()
 def _chunk_fwd_nograd(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, state, C, out, return_chunk_states=False):
     """_chunk_fwd without autograd, every step into its own buffers in place: the output goes into `out`

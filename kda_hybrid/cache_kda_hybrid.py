@@ -347,6 +347,15 @@ class KVLayerState(KDAHybridCacheLayer):
         self.length += n
         return self.keys, self.values
 
+    def mark_nonfinite(self, bad: torch.Tensor):
+        """NaN at the newest tokens where `bad` [B, T] (the last update's tokens): the attention layer computed that
+        update from zeros in their place (_CausalThroughNonFinite), and a later query that sees one must be NaN."""
+        T = bad.shape[1]
+        for buf in (self._keys, self._values):
+            rows = buf[..., self.length - T : self.length, :]
+            rows.copy_(torch.where(bad[:, None, :, None], torch.full((), float("nan"), dtype=buf.dtype,
+                                                                    device=buf.device), rows))
+
     def _grow(self, old: torch.Tensor | None, new: torch.Tensor, capacity: int) -> torch.Tensor:
         buf = new.new_empty(*new.shape[:-2], capacity, new.shape[-1])
         if old is not None:
@@ -646,6 +655,18 @@ class KDAHybridCache(Cache):
     def update_indexer(self, indexer_key_states: torch.Tensor, layer_idx: int):
         raise NotImplementedError("KDA hybrid models have no sparse-attention indexer: the cache keeps no indexer keys")
 
+    def increase_count(self, layer_idx: int, state_idx: int):
+        raise NotImplementedError(
+            "KDAHybridCache counts tokens itself (advance() after each forward); transformers' increase_count is for "
+            "its linear caches, whose conv states models update in place without telling the cache")
+
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        """0: a KDA layer records each forward whole while recording (activate_past_recording), so it keeps no
+        fixed number of per-step recurrent states for transformers to compute."""
+        if layer_idx is not None:
+            self._check_layer_idx(layer_idx)
+        return 0
+
     # ---- offloading ------------------------------------------------------------------------------------
     def offload(self, layer_idx: int, only_non_sliding: bool = True):
         """Move layer `layer_idx` to the CPU (no layer is sliding, so `only_non_sliding` changes nothing). The next
@@ -663,7 +684,14 @@ class KDAHybridCache(Cache):
                 return
 
     # ---- generation utilities --------------------------------------------------------------------------
-    def activate_past_recording(self):
+    def activate_past_recording(self, recurrent_states_to_keep: int | None = None):
+        """Keep what crop() needs from the next forward on. `recurrent_states_to_keep` (transformers 5.25+: how
+        many steps its linear caches may roll back) is accepted and needs nothing more here: a KDA layer records
+        each forward whole, so any crop within the recorded forwards is exact."""
+        if recurrent_states_to_keep is not None and not (
+                isinstance(recurrent_states_to_keep, int) and not isinstance(recurrent_states_to_keep, bool)
+                and recurrent_states_to_keep >= 0):
+            raise ValueError(f"recurrent_states_to_keep must be None or an int >= 0, got {recurrent_states_to_keep!r}")
         self._record_past = True
         for layer in self.layers:
             layer.activate_past_recording()

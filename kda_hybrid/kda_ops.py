@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import warnings
 
 import torch
 
@@ -70,6 +71,17 @@ def _shape(x) -> str:
     return str(tuple(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__
 
 
+def _renamed_state_layout(state_v_first, transpose_state_layout):
+    """fla's deprecated name for state_v_first, accepted as fla accepts it (its warning, its error for both)."""
+    if transpose_state_layout is None:
+        return state_v_first
+    if state_v_first:
+        raise ValueError("Cannot pass both `state_v_first` and the deprecated `transpose_state_layout`.")
+    warnings.warn("`transpose_state_layout` is deprecated and renamed to `state_v_first`.", DeprecationWarning,
+                  stacklevel=3)
+    return transpose_state_layout
+
+
 def _check_flags(**flags):
     for name, value in flags.items():
         if not isinstance(value, bool):
@@ -82,7 +94,10 @@ def _check_offsets(name, cu, T):
         got = f"{cu.dtype} shape {tuple(cu.shape)}" if isinstance(cu, torch.Tensor) else type(cu).__name__
         raise ValueError(f"{name} must be a 1-D int32/int64 tensor [N + 1], got {got}")
     if cu.numel() < 2:
-        raise ValueError(f"{name} must hold at least 2 offsets [0, ..., T], got {cu.tolist()}")
+        got = cu if cu.is_meta else cu.tolist()
+        raise ValueError(f"{name} must hold at least 2 offsets [0, ..., T], got {got}")
+    if cu.is_meta:  # shapes only: the values are unknown, so only the number of sequences is
+        return None
     bounds = cu.tolist()
     if bounds[0] != 0:
         raise ValueError(f"{name} must start at 0, got {bounds[0]}")
@@ -136,10 +151,10 @@ def _check(q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu, b
                                  f"{_shape(cu_seqlens_cpu)}")
             if cu_seqlens_cpu.device.type != "cpu":
                 raise ValueError(f"cu_seqlens_cpu must be on the CPU, got {cu_seqlens_cpu.device}")
-            bounds = _check_offsets("cu_seqlens_cpu", cu_seqlens_cpu, T)
+            _check_offsets("cu_seqlens_cpu", cu_seqlens_cpu, T)
         else:
-            bounds = _check_offsets("cu_seqlens", cu_seqlens, T)
-        N = len(bounds) - 1
+            _check_offsets("cu_seqlens", cu_seqlens, T)
+        N = cu_seqlens.numel() - 1
     if initial_state is not None:
         state_shape = (HV, V, K) if state_v_first else (HV, K, V)
         layout = "[P, HV, V, K]" if state_v_first else "[P, HV, K, V]"
@@ -222,8 +237,9 @@ def _autograd_records(*xs) -> bool:
     return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in xs)
 
 
-def _empty(q, v, initial_state, output_final_state, N, state_v_first, inplace, intermediate):
-    """T = 0 or B = 0: no token, so the output is empty and the final state is the initial one (zeros without)."""
+def _empty(q, v, initial_state, output_final_state, N, state_v_first, inplace, intermediate, chunks=0):
+    """T = 0 or B = 0: no token, so the output is empty and the final state is the initial one (zeros without).
+    Also the shapes-only result of meta inputs (`chunks`: the number of intermediate states)."""
     B, T, HV, V = v.shape
     K = q.shape[-1]
     o = v.new_zeros(B, T, HV, V)
@@ -235,8 +251,30 @@ def _empty(q, v, initial_state, output_final_state, N, state_v_first, inplace, i
     else:
         final = None
     if intermediate:
-        return o, final, q.new_zeros(B, 0, HV, *((V, K) if state_v_first else (K, V)))
+        return o, final, q.new_zeros(B, chunks, HV, *((V, K) if state_v_first else (K, V)))
     return o, final
+
+
+def _meta_result(kind, q, v, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu, options, inplace,
+                 intermediate, chunk_size):
+    """Meta inputs (shapes only, as under `with torch.device("meta")`): outputs of the right shapes and dtypes,
+    nothing computed. The number of intermediate states of a cu_seqlens pack depends on its offsets."""
+    B, T = q.shape[:2]
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    chunks = 0
+    if intermediate:
+        if cu_seqlens is None:
+            chunks = -(-T // chunk_size)
+        elif cu_seqlens_cpu is not None and not cu_seqlens_cpu.is_meta:
+            bounds = cu_seqlens_cpu.tolist()
+            chunks = sum(-(-(e - b) // chunk_size) for b, e in zip(bounds[:-1], bounds[1:]))
+        else:
+            raise ValueError("return_intermediate_states with meta cu_seqlens: the number of chunk states depends "
+                             "on the offsets' values; pass cu_seqlens_cpu (a host copy of the offsets) too")
+    if initial_state is not None and initial_state.shape[0] != N and not inplace:
+        initial_state = None  # a state pool (ssm_state_indices): the final states are per sequence
+    return _empty(q, v, initial_state, output_final_state or inplace, N, options.get("state_v_first", False),
+                  inplace, intermediate, chunks)
 
 
 _PARAMS: dict = {}
@@ -275,13 +313,83 @@ def _compose(q, k, v, g, beta, use_gate_in_kernel, A_log, dt_bias, lower_bound, 
     return q, k, v, g, beta
 
 
+def _nonfinite_tokens(k, v, g, beta, options):
+    """None when every token of k, v, g and beta is finite (the common case: one reduction per tensor and one host
+    read); else (k, v, g, beta) with each non-finite entry replaced by 0, and `bad` [B, T, HV, V]: the value channels
+    of each token that the recurrence makes non-finite from there on (all of a head's for a bad k, g or beta; one
+    channel for a bad v entry: the delta rule keeps value channels apart). A full reset stays as it is: g = -inf as
+    a decay; as the in-kernel gate's input, +-inf (a gate of -inf or 0); beta through the in-kernel sigmoid, +-inf
+    (0 or 1). q is not read: it never enters the state, and its token's output row is its own."""
+    gate_in, sig = options.get("use_gate_in_kernel", False), options.get("use_beta_sigmoid_in_kernel", False)
+    if not g.numel():
+        return None
+    sums = torch.stack([k.sum(dtype=torch.float32), v.sum(dtype=torch.float32), beta.sum(dtype=torch.float32),
+                        g.amax().float()]).tolist()
+    if all(math.isfinite(x) for x in sums[:3]) and sums[3] <= (math.inf if gate_in else 0.0):
+        return None  # max propagates NaN; a -inf reset passes (and a false alarm only costs the exact route below)
+    k_ok, v_ok = torch.isfinite(k), torch.isfinite(v)
+    g_ok = ~torch.isnan(g) if gate_in else torch.isfinite(g) | (g == -math.inf)
+    b_ok = ~torch.isnan(beta) if sig else torch.isfinite(beta)
+    groups = v.shape[2] // k.shape[2]
+    head_ok = g_ok.all(-1) & b_ok & k_ok.all(-1).repeat_interleave(groups, dim=2)  # [B, T, HV]
+    clean = [torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device))
+             for x, m in ((k, k_ok), (v, v_ok), (g, g_ok), (beta, b_ok))]
+    return (*clean, ~(head_ok[..., None] & v_ok))
+
+
+def _after_nonfinite(out, bad, spans, chunk_size, v_first):
+    """Outputs of a chunked call on cleaned inputs made those of the recurrence on the raw ones: from a bad token on
+    (`bad` [B, T, HV, V] from _nonfinite_tokens) its sequence's outputs in those value channels are NaN, and so are
+    the state's columns for them at the end and entering every later chunk. Earlier outputs stay those of the clean
+    prefix: in a chunk's matmuls a NaN times the 0 of a causal mask is NaN, which is how a later token had reached
+    earlier ones."""
+    o, final, *h = out
+    nan = torch.full((), math.nan, dtype=o.dtype, device=o.device)
+    hit = torch.zeros_like(bad)
+    for b, e in spans:
+        hit[:, b:e] = bad[:, b:e].cumsum(1) > 0
+    o = torch.where(hit, nan, o)
+
+    def columns(states, seen):  # states [..., K, V] (or [..., V, K] with v_first), seen [..., V]
+        return torch.where(seen[..., None] if v_first else seen[..., None, :], nan.to(states.dtype), states)
+
+    if final is not None:  # [N, HV, K, V]: a sequence's hits by its last token
+        seen = hit[:, -1] if len(spans) == 1 else torch.stack([hit[0, e - 1] if e > b else hit.new_zeros(
+            hit.shape[2:]) for b, e in spans])
+        final = columns(final, seen)
+    if h:  # [B, NT, HV, ., .]: the state entering a chunk holds the tokens before its start
+        cols = [[hit[:, t - 1] if t > b else hit.new_zeros(hit.shape[0], *hit.shape[2:])
+                 for t in range(b, e, chunk_size)] for b, e in spans]
+        h = [columns(h[0], torch.stack([c for seq in cols for c in seq], 1))]
+    return (o, final, *h)
+
+
 def _run(kind, q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
          cu_seqlens_cpu, backend, options, inplace_final_state=False, ssm_state_indices=None, chunk_size=CHUNK_SIZE,
-         return_intermediate_states=False):
+         return_intermediate_states=False, finite_checked=False):
     """Default the scale, pick the backend for q's device and run it with autocast off (the recurrence is
-    computed in fp32 whatever autocast would pick). `options` holds the non-default gate/beta/layout options."""
+    computed in fp32 whatever autocast would pick). `options` holds the non-default gate/beta/layout options.
+
+    Chunked calls are causal through non-finite inputs as the recurrence is: a NaN or inf in k, v, g or beta at
+    one token changes no earlier output (see _nonfinite_tokens / _after_nonfinite). The reference backend is the
+    recurrence itself and token-by-token calls are causal by construction."""
+    if q.is_meta:
+        return _meta_result(kind, q, v, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu, options,
+                            inplace_final_state, return_intermediate_states, chunk_size)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     backend = _resolve(backend, q.device)
+    if kind == "chunk" and backend != "reference" and not finite_checked:
+        found = _nonfinite_tokens(k, v, g, beta, options)
+        if found is not None:
+            *clean, bad = found
+            out = _run(kind, q, *clean, scale=scale, initial_state=initial_state,
+                       output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                       cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, backend=backend, options=options,
+                       chunk_size=chunk_size, return_intermediate_states=return_intermediate_states,
+                       finite_checked=True)
+            cu = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens
+            spans = [(0, q.shape[1])] if cu is None else list(zip(cu[:-1].tolist(), cu[1:].tolist()))
+            return _after_nonfinite(out, bad, spans, chunk_size, options.get("state_v_first", False))
     if backend == "triton":
         if q.dtype == torch.float64:
             raise ValueError("float64 inputs run on backend='torch' or 'reference' only (the Triton kernels "
@@ -397,7 +505,7 @@ def _validate_common(q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seql
                    dt_bias=opts["dt_bias"], lower_bound=opts["lower_bound"],
                    use_beta_sigmoid_in_kernel=flags["use_beta_sigmoid_in_kernel"],
                    allow_neg_eigval=flags["allow_neg_eigval"], safe_gate=flags.get("safe_gate", False))
-    if check_inputs and not flags["use_gate_in_kernel"] and g.numel():
+    if check_inputs and not flags["use_gate_in_kernel"] and g.numel() and not g.is_meta:
         _check_gate_values(g)  # the in-kernel gate is <= 0 by construction
     return N
 
@@ -437,6 +545,7 @@ def chunk_kda(
     use_beta_sigmoid_in_kernel: bool = False,
     allow_neg_eigval: bool = False,
     state_v_first: bool = False,
+    transpose_state_layout: bool | None = None,
     return_intermediate_states: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     cu_seqlens_cpu: torch.Tensor | None = None,
@@ -457,6 +566,7 @@ def chunk_kda(
     choose fla's GPU strategy: validated as fla does, then no-ops. check_inputs=False skips the one data-dependent
     check (g <= 0 and not NaN), a pass over g and, on GPU, a device sync.
     """
+    state_v_first = _renamed_state_layout(state_v_first, transpose_state_layout)
     flags = dict(output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                  use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                  allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first,
@@ -498,7 +608,7 @@ def _check_state_indices(idx, initial_state, N, inplace, check_inputs):
         raise ValueError(f"ssm_state_indices must hold one pool row per sequence, N={N}, got {idx.numel()}")
     if idx.device != initial_state.device:
         raise ValueError(f"ssm_state_indices is on {idx.device} but the state pool is on {initial_state.device}")
-    if check_inputs:
+    if check_inputs and not idx.is_meta:
         rows = idx.tolist()
         P = initial_state.shape[0]
         bad = [r for r in rows if not (r == -1 or 0 <= r < P)]
@@ -528,6 +638,7 @@ def fused_recurrent_kda(
     use_beta_sigmoid_in_kernel: bool = False,
     allow_neg_eigval: bool = False,
     state_v_first: bool = False,
+    transpose_state_layout: bool | None = None,
     cu_seqlens: torch.Tensor | None = None,
     cu_seqlens_cpu: torch.Tensor | None = None,
     ssm_state_indices: torch.Tensor | None = None,
@@ -548,6 +659,7 @@ def fused_recurrent_kda(
     Index -1 is a padding slot: its outputs are zeros and the pool is neither read nor written for it. Without
     inplace_final_state the final states come back as [N, HV, K, V] (padding rows: the zero start run on).
     """
+    state_v_first = _renamed_state_layout(state_v_first, transpose_state_layout)
     flags = dict(output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                  use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                  allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first,

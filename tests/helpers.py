@@ -122,6 +122,16 @@ def assert_all_close(got, ref, names, rel=2e-5):
         assert_close_rel(a, b, rel=rel, name=name)
 
 
+def assert_same_nonfinite_then_close(got, ref, rel=1e-5, name="output"):
+    """`got` non-finite exactly where `ref` is (ref: a computation whose causality holds by construction, such as
+    the token-by-token recurrence), and within assert_close_rel of it everywhere else."""
+    finite = torch.isfinite(ref)
+    assert torch.equal(torch.isfinite(got), finite), (
+        f"{name}: non-finite at {(~torch.isfinite(got)).sum()} entries, the reference at {(~finite).sum()}")
+    assert finite.any(), f"{name}: nothing finite left to compare"
+    assert_close_rel(torch.where(finite, got, 0), torch.where(finite, ref, 0), rel=rel, name=name)
+
+
 GRAD_NAMES = ["dq", "dk", "dv", "dg", "dbeta", "dh0"]  # chunk_grads' order
 
 

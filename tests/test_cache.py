@@ -382,6 +382,12 @@ def _unchanged(model, cache, result, before, ref):
 
 API = {
     "activate_past_recording": (lambda c: c.activate_past_recording(), _unchanged),  # already recording
+    # transformers 5.25 passes how many steps a linear cache may roll back; a KDA layer records forwards whole
+    "get_recurrent_states_to_keep": (lambda c: (c.activate_past_recording(recurrent_states_to_keep=3),
+                                                c.get_recurrent_states_to_keep(), c.get_recurrent_states_to_keep(1)),
+                                     lambda m, c, r, b, ref: r == (None, 0, 0)
+                                     and torch.testing.assert_close(next_logits(m, c), ref, **CLOSE) is None),
+    "increase_count": None,
     "batch_repeat_interleave": (
         lambda c: c.batch_repeat_interleave(2),
         lambda m, c, r, b, ref: torch.testing.assert_close(
@@ -433,6 +439,7 @@ NOT_IMPLEMENTED_ARGS = {
     "update": lambda c: c.update(torch.zeros(2, 1, 1, 16), torch.zeros(2, 1, 1, 4), ATTN_IDX),
     "update_conv_state": lambda c: c.update_conv_state(torch.zeros(2, 32, 3), KDA_IDX),
     "update_indexer": lambda c: c.update_indexer(torch.zeros(2, 1, 8), ATTN_IDX),
+    "increase_count": lambda c: c.increase_count(KDA_IDX, 0),
     "update_recurrent_state": lambda c: c.update_recurrent_state(torch.zeros(2, 2, 16, 16), KDA_IDX),
 }
 

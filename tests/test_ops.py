@@ -654,6 +654,22 @@ def test_state_v_first_is_the_transposed_state(op, backend):
     assert_all_close(got, ref, NAMES)
 
 
+@pytest.mark.parametrize("op,backend", OPS, ids=OP_IDS)
+def test_deprecated_transpose_state_layout_is_state_v_first_with_flas_warning(op, backend):
+    """fla's old name for state_v_first: the same call with its DeprecationWarning, fla's error when both are given,
+    and the same behaviour as fla's own op for the same keywords."""
+    q, k, v, g, beta, h0 = (x.detach() for x in fla_inputs(1, 20, 2, 2, 8, 4))
+    h0 = h0.transpose(-1, -2).contiguous()
+    kw = dict(initial_state=h0, output_final_state=True, backend=backend)
+    want = op(q, k, v, g, beta, state_v_first=True, **kw)
+    with pytest.warns(DeprecationWarning, match="`transpose_state_layout` is deprecated and renamed to "
+                                                "`state_v_first`"):
+        got = op(q, k, v, g, beta, transpose_state_layout=True, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    with pytest.raises(ValueError, match="Cannot pass both `state_v_first` and the deprecated"):
+        op(q, k, v, g, beta, state_v_first=True, transpose_state_layout=True, **kw)
+
+
 def test_state_v_first_in_place_decode():
     q, k, v, g, beta, h0 = (x.detach() for x in fla_inputs(2, 1, 2, 2, 8, 4))
     _, s_ref = fused_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)

@@ -19,6 +19,7 @@ from .helpers import (
     assert_all_close,
     assert_close_rel,
     assert_matches_reference,
+    assert_same_nonfinite_then_close,
     chunk_grads,
     make_inputs,
     max_err,
@@ -105,6 +106,20 @@ def test_chunk_forward_matches_reference(B, T, H, K, V, init_state, l2norm):
     assert o.dtype == v.dtype and s.dtype == torch.float32
     assert_close_rel(o, o_ref, name="o")
     assert_close_rel(s, s_ref, name="final state")
+
+
+@pytest.mark.parametrize("name,value", [("k", float("nan")), ("v", float("inf")), ("beta", float("nan"))])
+def test_chunk_nonfinite_token_reaches_no_earlier_token(name, value):
+    """A NaN or inf at t=40 of 70 tokens in one head (the interpreter had made all 70 outputs NaN): earlier outputs
+    equal the reference's, later ones and the final state are non-finite where the reference's are."""
+    xs = dict(zip(("q", "k", "v", "g", "beta"), to_device(make_inputs(1, 70, 2, 16, 16)[:5])))
+    xs[name][0, 40, 0] = value  # head 1 stays finite
+    kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o, s = chunk_kda(**xs, backend="triton", **kw)
+    o_ref, s_ref = chunk_kda(**xs, backend="reference", **kw)
+    assert_same_nonfinite_then_close(o, o_ref, name="o")
+    assert_same_nonfinite_then_close(s, s_ref, name="final state")
+    assert torch.isfinite(o[0, :40]).all()
 
 
 def test_chunk_without_final_state_returns_none():

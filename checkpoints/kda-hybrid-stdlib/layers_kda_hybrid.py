@@ -265,7 +265,7 @@ class KDAHybridDeltaAttention(nn.Module):
             return self._forward_packed(hidden_states, cu_seqlens)
         if hidden_states.shape[1] == 1 and token_mask is None and cache_layer is not None \
                 and cache_layer.is_initialized and not cache_layer.record_past and not torch.is_grad_enabled() \
-                and not torch.is_autocast_enabled(hidden_states.device.type):
+                and not (hidden_states.is_meta or torch.is_autocast_enabled(hidden_states.device.type)):
             o = self._decode_step(hidden_states, cache_layer)
             if o is not None:
                 return o
@@ -467,7 +467,67 @@ def _attention_interface(config) -> Callable:
     return eager_attention_forward if impl == "eager" else ALL_ATTENTION_FUNCTIONS[impl]
 
 
-class KDAHybridMLAttention(nn.Module):
+
+def _nonfinite_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """The tokens of x [B, T, D] holding a NaN or inf, [B, T] bool; None when there is none (eager: one pass and
+    one host read). Compiled, the mask itself, always: no host read in the graph, and the guarded path costs a few
+    [B, T] ops."""
+    if x.is_meta:  # shapes only: no values to be non-finite
+        return None
+    bad = ~torch.isfinite(x).all(-1)
+    if torch.compiler.is_compiling():
+        return bad
+    return bad if bool(bad.any()) else None
+
+
+def _queries_seeing(bad: torch.Tensor, attention_mask, path: str, cu_seqlens) -> torch.Tensor:
+    """[B, T] bool: the new queries that attend to one of the new tokens `bad` [B, T] under this forward's mask
+    (None: causal among the new tokens; bool or additive [B | 1, . , T, past + T], transformers' convention), or
+    inside their document for "packed"."""
+    if path == "packed":
+        flat, seen = bad.flatten(), torch.zeros(bad.numel(), dtype=torch.bool, device=bad.device)
+        bounds = cu_seqlens.tolist()
+        for s, e in zip(bounds[:-1], bounds[1:]):
+            seen[s:e] = flat[s:e].cumsum(0) > 0
+        return seen.view_as(bad)
+    if not isinstance(attention_mask, torch.Tensor):
+        return bad.cumsum(1) > 0
+    visible = attention_mask if attention_mask.dtype == torch.bool else attention_mask > torch.finfo(
+        attention_mask.dtype).min
+    T = bad.shape[1]
+    return (visible[..., -T:] & bad[:, None, None, :]).any(-1).any(1)
+
+
+class _CausalThroughNonFinite:
+    """forward of the full-attention layers around their `_attend`: a NaN or inf in one token's hidden state reaches
+    no query that does not attend to that token, as in attention computed one query at a time. In one batched
+    product it would: the masked score of a NaN key is NaN + mask = NaN, and softmax weight 0 times a NaN value is
+    NaN, so every earlier query of the forward went NaN. Such tokens enter as zeros; afterwards the queries that see
+    one (the mask decides, the cached past included) are NaN, and the cache holds NaN at their positions, so that
+    later queries that see them are NaN as well."""
+
+    def forward(self, hidden_states, attention_mask=None, cache_layer: KVLayerState | None = None,
+                cu_seqlens: torch.Tensor | None = None, path: str = "masked", output_attentions: bool = False,
+                **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden_states [B, T, D] -> (output [B, T, D], attention weights [B, H, T, past + T] or None); the
+        arguments of `_attend`."""
+        call = dict(attention_mask=attention_mask, cache_layer=cache_layer, cu_seqlens=cu_seqlens, path=path,
+                    output_attentions=output_attentions, **kwargs)
+        bad = _nonfinite_rows(hidden_states)
+        if bad is None:
+            return self._attend(hidden_states, **call)
+        out, weights = self._attend(torch.where(bad[..., None], 0, hidden_states), **call)
+        if cache_layer is not None:
+            cache_layer.mark_nonfinite(bad)
+        seen = _queries_seeing(bad, attention_mask, path, cu_seqlens)
+        nan = torch.full((), float("nan"), dtype=out.dtype, device=out.device)
+        out = torch.where(seen[..., None], nan, out)
+        if weights is not None:
+            weights = torch.where(seen[:, None, :, None], nan.to(weights.dtype), weights)
+        return out, weights
+
+
+class KDAHybridMLAttention(_CausalThroughNonFinite, nn.Module):
     """Multi-head latent attention without positional encoding (Kimi Linear, docs/architecture.md §3). The cache holds
     the normalised latent and the shared key part, not per-head keys and values.
 
@@ -520,7 +580,7 @@ class KDAHybridMLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, Hq * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
         self.o_proj = nn.Linear(Hq * self.v_head_dim, D, bias=config.attention_bias)
 
-    def forward(self, hidden_states, attention_mask=None, cache_layer: KVLayerState | None = None,
+    def _attend(self, hidden_states, attention_mask=None, cache_layer: KVLayerState | None = None,
                 cu_seqlens: torch.Tensor | None = None, path: str = "masked", output_attentions: bool = False,
                 **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """hidden_states [B, T, D] -> (output [B, T, D], attention weights [B, H, T, past + T] or None). `path` and
@@ -644,7 +704,7 @@ class KDAHybridRotaryEmbedding(nn.Module):
         return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
 
 
-class KDAHybridAttention(nn.Module):
+class KDAHybridAttention(_CausalThroughNonFinite, nn.Module):
     """Grouped-query attention with RoPE (the option for small and Llama-derived models): optional q/k/v and o
     biases (Qwen2: q/k/v only), optional per-head RMSNorm of queries and keys before RoPE (Qwen3), a head_dim
     that need not be hidden_size / heads."""
@@ -670,7 +730,7 @@ class KDAHybridAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, hidden_states, attention_mask=None, cache_layer: KVLayerState | None = None,
+    def _attend(self, hidden_states, attention_mask=None, cache_layer: KVLayerState | None = None,
                 position_embeddings=None, cu_seqlens: torch.Tensor | None = None, path: str = "masked",
                 output_attentions: bool = False, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """hidden_states [B, T, D] -> (output [B, T, D], attention weights [B, H, T, past + T] or None). `path`:
@@ -779,6 +839,8 @@ class KDAHybridMoE(nn.Module):
         x = hidden_states.reshape(-1, shape[-1])  # [N, D]
         idx, weights = self.gate(x)
         out = torch.zeros_like(x)
+        if x.is_meta:  # shapes only (torch.device("meta")): which expert a token goes to depends on values
+            return self._add_shared(out.view(shape), hidden_states)
         flat = idx.flatten()
         order = flat.argsort(stable=True)  # token slots grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
@@ -792,7 +854,7 @@ class KDAHybridMoE(nn.Module):
             y = self.experts[e](x[tokens]) * weights.flatten()[slots, None].to(x.dtype)
             out.index_add_(0, tokens, y)
             start += n
-        out = out.view(shape)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(hidden_states)
-        return out
+        return self._add_shared(out.view(shape), hidden_states)
+
+    def _add_shared(self, out, hidden_states):
+        return out if self.shared_experts is None else out + self.shared_experts(hidden_states)

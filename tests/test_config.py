@@ -7,6 +7,7 @@ import json
 import math
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -263,3 +264,71 @@ def test_random_valid_configs_construct_and_round_trip(tmp_path_factory, kw):
         for name in mla_fields:
             assert getattr(back, name) == getattr(cfg, name), name
         json.dumps(cfg.to_kimi_linear_dict())  # plain JSON
+
+
+def _one_change(kwargs):
+    """(base, name, value) when kwargs are MLA or GQA with one plain attribute changed, else None."""
+    base = GQA if kwargs.get("attention_type") == "gqa" else MLA
+    changed = [(k, v) for k, v in kwargs.items() if k not in base or base[k] != v or type(base[k]) is not type(v)]
+    if set(kwargs) - set(base) - {k for k, _ in changed} or len(changed) != 1:
+        return None
+    name, value = changed[0]
+    return (base, name, value) if name in vars(KDAHybridConfig(**base)) else None
+
+
+# BAD cases that change one plain field of MLA or GQA: the same change made after construction
+MUTABLE = [(b[0], *_one_change(b[1]), b[1]) for b in BAD if _one_change(b[1])]
+
+
+@pytest.mark.parametrize("base,name,value,kwargs", [m[1:] for m in MUTABLE], ids=[m[0] for m in MUTABLE])
+def test_a_field_changed_after_construction_is_refused_by_the_model_with_the_constructors_message(
+        base, name, value, kwargs, tmp_path):
+    """transformers' own common tests assign config fields after construction: a model built from such a config,
+    and save_pretrained, check every field again with the constructor's message, before any weight exists."""
+    from kda_hybrid import KDAHybridForCausalLM
+
+    with pytest.raises(ValueError) as at_construction:
+        KDAHybridConfig(**kwargs)
+    config = KDAHybridConfig(**base)
+    setattr(config, name, value)
+    with pytest.raises(ValueError) as at_model:
+        KDAHybridForCausalLM(config)
+    assert str(at_model.value) == str(at_construction.value)
+    with pytest.raises(ValueError) as at_save:
+        config.save_pretrained(tmp_path)
+    assert str(at_save.value) == str(at_construction.value)
+    assert not (tmp_path / "config.json").exists()
+
+
+@pytest.mark.parametrize("name,value,kwargs", [
+    ("rope_parameters", {"rope_type": "dynamic", "factor": 2.0}, GQA),
+    ("rope_parameters", {"rope_type": "default"}, MLA),
+    ("num_experts_per_tok", 9, MLA),
+    ("layer_types", ["linear_attention", "linear_attention", "softmax", "full_attention"], MLA),
+    ("hidden_act", "gelu", GQA),
+], ids=["dynamic-rope", "rope-on-mla", "top-k-above-experts", "layer-type", "hidden-act"])
+def test_the_issues_mutations_are_refused_as_at_construction(name, value, kwargs):
+    from kda_hybrid import KDAHybridForCausalLM
+
+    with pytest.raises(ValueError) as at_construction:
+        KDAHybridConfig(**{**kwargs, name: value})
+    config = KDAHybridConfig(**kwargs)
+    setattr(config, name, value)
+    with pytest.raises(ValueError) as at_model:
+        KDAHybridForCausalLM(config)
+    assert str(at_model.value) == str(at_construction.value)
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "linear", "factor": 2.0}, {"rope_type": "default", "rope_theta": 5e5}])
+def test_rope_parameters_assigned_after_construction_are_applied_as_if_given(rope):
+    """A valid RoPE dict assigned later is standardised as the constructor does (rope_theta the dict's, or filled
+    in): the model rotates exactly as one whose config was built with it (rotating with the old base, or plain
+    RoPE, would be silently wrong)."""
+    from kda_hybrid import KDAHybridForCausalLM
+
+    config = KDAHybridConfig(**GQA)
+    config.rope_parameters = dict(rope)
+    late = KDAHybridForCausalLM(config).model.rotary_emb
+    early = KDAHybridForCausalLM(KDAHybridConfig(**GQA, rope_parameters=dict(rope))).model.rotary_emb
+    assert torch.equal(late.inv_freq, early.inv_freq) and late.attention_scaling == early.attention_scaling
+    assert not torch.equal(late.inv_freq, KDAHybridForCausalLM(KDAHybridConfig(**GQA)).model.rotary_emb.inv_freq)

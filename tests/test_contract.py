@@ -108,8 +108,8 @@ def test_output_flags_from_the_config_as_from_the_call():
         model.config.output_hidden_states = model.config.output_attentions = True
         by_config = model(ids)
         assert model(ids, output_hidden_states=False, output_attentions=False).hidden_states is None  # call wins
-    L = model.config.num_hidden_layers
-    assert len(by_config.hidden_states) == L + 1 and len(by_config.attentions) == L
+    L, A = model.config.num_hidden_layers, len(model.config.full_attention_layers)
+    assert len(by_config.hidden_states) == L + 1 and len(by_config.attentions) == A
     for a, b in zip(by_call.hidden_states, by_config.hidden_states):
         torch.testing.assert_close(a, b, rtol=0, atol=0)  # the same computation twice
     for a, b in zip(by_call.attentions, by_config.attentions):
@@ -117,16 +117,16 @@ def test_output_flags_from_the_config_as_from_the_call():
 
 
 @pytest.mark.parametrize("attention", ["mla", "gqa"])
-def test_attentions_from_attention_layers_under_eager_none_for_kda(attention):
-    model = tiny_model(attention, attn_implementation="eager")
+def test_attentions_one_entry_per_attention_layer_under_eager(attention):
+    """As transformers' hybrid models (kimi_linear, qwen3_next) record them: one entry per full-attention layer,
+    none for KDA layers (which have no attention weights)."""
+    model = tiny_model(attention, attn_implementation="eager", num_hidden_layers=8)
     ids, mask = left_padded([9, 6])
     with torch.no_grad():
         out = model(ids, attention_mask=mask, output_attentions=True, use_cache=True)
     H = model.config.num_attention_heads
-    for kind, weights in zip(model.config.layer_types, out.attentions):
-        if kind == "linear_attention":
-            assert weights is None
-            continue
+    assert len(out.attentions) == len(model.config.full_attention_layers) == 2
+    for weights in out.attentions:
         assert weights.shape == (2, H, 9, 9)
         real_rows = weights[1, :, 3:]  # row 1 has 3 pads in front
         torch.testing.assert_close(real_rows.sum(-1), torch.ones_like(real_rows[..., 0]))
@@ -139,9 +139,8 @@ def test_attentions_from_attention_layers_under_eager_none_for_kda(attention):
     with torch.no_grad():
         step = model(nxt, attention_mask=full_mask, cache=out.cache, output_attentions=True)
         full = model(torch.cat((ids, nxt), 1), attention_mask=full_mask, output_attentions=True)
-    for kind, s, f in zip(model.config.layer_types, step.attentions, full.attentions):
-        if kind == "full_attention":
-            torch.testing.assert_close(s[1], f[1, :, -1:], rtol=1e-5, atol=1e-6)
+    for s, f in zip(step.attentions, full.attentions, strict=True):
+        torch.testing.assert_close(s[1], f[1, :, -1:], rtol=1e-5, atol=1e-6)
 
 
 def test_attentions_under_sdpa_are_none_with_a_warning():
@@ -159,7 +158,7 @@ def test_attentions_under_sdpa_are_none_with_a_warning():
             out = model(prompt(), output_attentions=True)
     finally:
         target.removeHandler(handler)
-    assert out.attentions == (None,) * model.config.num_hidden_layers
+    assert out.attentions == (None,) * len(model.config.full_attention_layers)
     assert any("attn_implementation='eager'" in r.getMessage() for r in records)
 
 
@@ -212,11 +211,30 @@ def test_generate_returns_attentions_and_hidden_states():
                          output_attentions=True, output_hidden_states=True)
     assert torch.equal(out.sequences, model.generate(ids, max_new_tokens=4, do_sample=False))
     assert len(out.attentions) == len(out.hidden_states) == 4
-    kinds = model.config.layer_types
     for step, weights in enumerate(out.attentions):
-        for kind, w in zip(kinds, weights):
-            q = 6 if step == 0 else 1
-            assert (w is None) if kind == "linear_attention" else w.shape[-2:] == (q, 6 + step)
+        assert len(weights) == len(model.config.full_attention_layers)
+        for w in weights:
+            assert w.shape[-2:] == (6 if step == 0 else 1, 6 + step)
+
+
+@pytest.mark.parametrize("mode", [dict(prompt_lookup_num_tokens=3), "assistant"], ids=["prompt-lookup", "assisted"])
+def test_assisted_generation_returns_the_attentions_of_greedy(mode):
+    """Assisted decoding (an assistant model, prompt lookup) returns one attentions entry per generated token, each
+    with the attention layers' weights, equal to greedy decoding's (transformers skips them when the first entry
+    of a forward's attentions is None, which a KDA layer's entry had been: an empty tuple came back)."""
+    model = tiny_model("mla", attn_implementation="eager")
+    kw = dict(assistant_model=tiny_model("mla", seed=1, attn_implementation="eager")) if mode == "assistant" else mode
+    ids = prompt(B=1, T=9)
+    common = dict(max_new_tokens=5, do_sample=False, return_dict_in_generate=True, output_attentions=True)
+    greedy = model.generate(ids, **common)
+    assisted = model.generate(ids, **common, **kw)
+    assert torch.equal(assisted.sequences, greedy.sequences)
+    assert len(assisted.attentions) == len(greedy.attentions) == 5
+    for step, (a, g) in enumerate(zip(assisted.attentions, greedy.attentions)):
+        assert len(a) == len(g) == len(model.config.full_attention_layers)
+        for wa, wg in zip(a, g):
+            assert wa.shape == wg.shape, step
+            torch.testing.assert_close(wa, wg, rtol=1e-5, atol=1e-6)
 
 
 # --------------------------------------------------------------------------------------------------

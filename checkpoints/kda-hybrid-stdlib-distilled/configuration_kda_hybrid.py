@@ -48,6 +48,7 @@ _KIMI_DEFAULTS = {
 
 # RoPE variants of transformers' ROPE_INIT_FUNCTIONS whose inverse frequencies are fixed at construction
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+MLA_ROPE = "None with attention_type='mla' (NoPE: no RoPE)"
 
 
 def _fail(name, expected, got):
@@ -60,6 +61,13 @@ def _is_int(value) -> bool:
 
 def _is_real(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _derived_head_dim(hidden_size, num_attention_heads):
+    """head_dim when none is given: hidden_size // num_attention_heads (None when those are not positive ints)."""
+    if _is_int(hidden_size) and _is_int(num_attention_heads) and num_attention_heads > 0:
+        return hidden_size // num_attention_heads
+    return None
 
 
 def _layer_types_from_kimi(lac, num_hidden_layers) -> list[str]:
@@ -297,9 +305,7 @@ class KDAHybridConfig(PretrainedConfig):
         self.num_attention_heads = num_attention_heads
         self.num_key_value_heads = num_attention_heads if num_key_value_heads is None else num_key_value_heads
         head_dim_given = head_dim is not None
-        if head_dim is None and _is_int(hidden_size) and _is_int(num_attention_heads) and num_attention_heads > 0:
-            head_dim = hidden_size // num_attention_heads
-        self.head_dim = head_dim
+        self.head_dim = _derived_head_dim(hidden_size, num_attention_heads) if head_dim is None else head_dim
         self.rope_theta = rope_theta
         # transformers standardises this dict (adds rope_type and rope_theta) in PretrainedConfig.__init__ and its
         # ROPE_INIT_FUNCTIONS read it, so scaled RoPE (llama3, yarn, linear) is computed exactly as in the source
@@ -310,7 +316,7 @@ class KDAHybridConfig(PretrainedConfig):
             if isinstance(self.rope_parameters, dict) and "rope_theta" in self.rope_parameters:
                 self.rope_theta = self.rope_parameters["rope_theta"]  # one base: the dict's, as transformers reads it
         elif rope_parameters is not None:
-            _fail("rope_parameters", "None with attention_type='mla' (NoPE: no RoPE)", rope_parameters)
+            _fail("rope_parameters", MLA_ROPE, rope_parameters)
         self.attention_qk_norm = attention_qk_norm
         self.attention_out_bias = attention_bias if attention_out_bias is None else attention_out_bias
         self.linear_attention_bias = linear_attention_bias
@@ -342,6 +348,26 @@ class KDAHybridConfig(PretrainedConfig):
         )
 
     # ------------------------------------------------------------------------------------------------
+    def validate(self):
+        """Every field checked again as the constructor checks it, with the same messages: a config changed after
+        construction (config.rope_parameters = {...}, config.num_experts_per_tok = 9) is refused here instead of
+        building a model that silently ignores the change or fails deep inside a forward. transformers' own class
+        validators run after these. Called by every model's constructor and by save_pretrained. A GQA rope_parameters
+        dict assigned later is standardised as the constructor's is (rope_type and rope_theta filled in, and
+        rope_theta the dict's)."""
+        rope = getattr(self, "rope_parameters", None)
+        if self.attention_type == "mla" and rope is not None:
+            _fail("rope_parameters", MLA_ROPE, rope)
+        self._validate(pad_token_id=self.pad_token_id, bos_token_id=self.bos_token_id,
+                       eos_token_id=self.eos_token_id, tie_word_embeddings=self.tie_word_embeddings,
+                       head_dim_given=self.attention_type == "gqa" or self.head_dim != _derived_head_dim(
+                           self.hidden_size, self.num_attention_heads))
+        if self.attention_type == "gqa" and isinstance(rope, dict):
+            rope.setdefault("rope_type", rope.get("type", "default"))
+            rope.setdefault("rope_theta", self.rope_theta)
+            self.rope_theta = rope["rope_theta"]
+        super().validate()  # after ours, so that a field both check gets the constructor's message
+
     def _validate(self, **special):
         """Every field, before the config exists: errors name the field, what it must be and what it was."""
 

@@ -7,6 +7,7 @@ names follow the original Kimi-Linear checkpoint so that conversion is renaming 
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 
@@ -197,6 +198,7 @@ class KDAHybridModel(KDAHybridPreTrainedModel):
     """
 
     def __init__(self, config: KDAHybridConfig):
+        config.validate()  # a field changed since the config was built is refused here, not ignored or failed later
         super().__init__(config)
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
@@ -285,8 +287,8 @@ class KDAHybridModel(KDAHybridPreTrainedModel):
             hidden_states, weights = out if isinstance(out, tuple) else (out, None)
             if output_hidden_states:
                 all_hidden += (hidden_states,)
-            if output_attentions:
-                all_attentions += (weights,)
+            if output_attentions and kind == "full_attention":  # one entry per attention layer, as transformers'
+                all_attentions += (weights,)                       # hybrids (kimi_linear, qwen3_next) record them
         hidden_states = self.norm(hidden_states)
         if output_hidden_states:  # the last entry is the normed output, as in transformers' models
             all_hidden = all_hidden[:-1] + (hidden_states,)
@@ -328,6 +330,11 @@ class KDAHybridModel(KDAHybridPreTrainedModel):
         else:
             path = "masked"
         return AttentionLayerInputs(path=path, mask=mask, **inputs)
+
+
+# Whether this transformers' GenerationMixin._prefill leaves a cache of linear layers only uncut (<= 5.24): read
+# from its code, since the change came without a flag or a version note
+_PREFILL_SKIPS_LINEAR_CACHES = "not all(cache.is_linear)" in inspect.getsource(GenerationMixin._prefill)
 
 
 def _foreign_cache_message(cache) -> str:
@@ -512,11 +519,13 @@ class KDAHybridForCausalLM(KDAHybridPreTrainedModel, GenerationMixin):
             "per sequence. Use generate() on a padded batch")
 
     def _prefill(self, input_ids, generation_config, model_kwargs, is_first_iteration=True):
-        """transformers cuts a prompt that restarts from a cache down to its new tokens only when some cache layer is
-        attention (`not all(cache.is_linear)`): with KDA layers only (a draft model, a KDA-only model continuing a
-        conversation) the whole sequence would run again on top of the cache. Cut it by transformers' own rule: the
-        input is the full sequence when it is as long as the attention mask (or the all-ones mask generate dropped).
-        inputs_embeds restarting from a cache must be that full sequence (transformers' rule): fewer is an error."""
+        """transformers up to 5.24 cuts a prompt that restarts from a cache down to its new tokens only when some
+        cache layer is attention (`not all(cache.is_linear)`): with KDA layers only (a draft model, a KDA-only model
+        continuing a conversation) the whole sequence would run again on top of the cache. There, cut it by
+        transformers' own rule: the input is the full sequence when it is as long as the attention mask (or the
+        all-ones mask generate dropped). transformers 5.25 cuts every cache itself, and a second cut here left no
+        token at all ("inputs_embeds must hold at least one sequence ... (2, 0, 64)"). inputs_embeds restarting
+        from a cache must be that full sequence (transformers' rule): fewer is an error."""
         cache = model_kwargs.get("cache")
         past = cache.get_seq_length() if isinstance(cache, KDAHybridCache) else 0
         embeds = model_kwargs.get("inputs_embeds")
@@ -526,7 +535,7 @@ class KDAHybridForCausalLM(KDAHybridPreTrainedModel, GenerationMixin):
                 f"generate() got inputs_embeds of shape {tuple(embeds.shape)} with a cache holding {past} tokens: "
                 f"when restarting from a cache, inputs_embeds hold the whole sequence, the {past} cached tokens "
                 f"followed by at least one new one ([B, {past} + new, hidden]), or pass a new cache")
-        if past and all(cache.is_linear):
+        if past and all(cache.is_linear) and _PREFILL_SKIPS_LINEAR_CACHES:
             if embeds is not None and is_first_iteration:  # restarting from inputs_embeds: always the full sequence
                 model_kwargs = {**model_kwargs, "inputs_embeds": embeds[:, past:]}
             else:

@@ -145,6 +145,20 @@ def read_log(path: Path, upto_step: int) -> list[dict]:
     return [r for r in map(json.loads, path.read_text().splitlines()) if r["step"] <= upto_step]
 
 
+def resumable_checkpoint(out: Path) -> Path | None:
+    """The newest complete checkpoint under `out` (trainer_state.json is written last, so its presence means
+    complete): `checkpoint`, or, after a kill between the renames that put a new one in place, `checkpoint.tmp`
+    (the new one) or `checkpoint.old` (the previous one). None when there is none."""
+    best, best_step = None, -1
+    for name in ("checkpoint", "checkpoint.tmp", "checkpoint.old"):
+        state = out / name / "trainer_state.json"
+        if state.exists():
+            step = json.loads(state.read_text())["step"]
+            if step > best_step:
+                best, best_step = out / name, step
+    return best
+
+
 def fit(args, build_model, *, loss_fn=None) -> dict:
     """Train `build_model(meta)` as the module docstring says; returns {step, log, params}."""
     loss_fn = loss_fn or loss_sum
@@ -190,12 +204,13 @@ def fit(args, build_model, *, loss_fn=None) -> dict:
 
     ckpt = out / "checkpoint"
     start = 0
-    if args.resume and (ckpt / "trainer_state.json").exists():
+    found = resumable_checkpoint(out) if args.resume else None
+    if found is not None:
         if args.fsdp:
-            load_sharded(model, optimizer, ckpt)
+            load_sharded(model, optimizer, found)
         else:
-            accelerator.load_state(str(ckpt))
-        start = json.loads((ckpt / "trainer_state.json").read_text())["step"]
+            accelerator.load_state(str(found))
+        start = json.loads((found / "trainer_state.json").read_text())["step"]
     log_path = out / "log.jsonl"
     log = read_log(log_path, start) if args.resume else []
     if accelerator.is_main_process:
@@ -224,10 +239,17 @@ def fit(args, build_model, *, loss_fn=None) -> dict:
             accelerator.save_state(str(tmp))
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
-            (tmp / "trainer_state.json").write_text(json.dumps({"step": step}) + "\n")
+            (tmp / "trainer_state.json").write_text(json.dumps({"step": step}) + "\n")  # last: tmp is complete
+            # the old checkpoint goes only once the new one is in place: a kill between the renames leaves one
+            # complete checkpoint that resumable_checkpoint finds (it had deleted the old one first)
+            old = out / "checkpoint.old"
+            if old.exists():
+                shutil.rmtree(old)
             if ckpt.exists():
-                shutil.rmtree(ckpt)
+                ckpt.rename(old)
             tmp.rename(ckpt)
+            if old.exists():
+                shutil.rmtree(old)
         accelerator.wait_for_everyone()
 
     per_rank = args.batch_size // world

@@ -626,16 +626,85 @@ def test_rerun_removes_dead_runs_staging_but_not_live_ones(tmp_path, tiny_src):
     not_ours = tmp_path / ".out.kdaconv-cccccccccccc.partial"  # our name, but not our content
     not_ours.mkdir()
     (not_ours / "data.bin").write_bytes(b"x")
-    other = tmp_path / ".other.kdaconv-0123456789ab.partial"  # another destination's: not this run's business
+    other = tmp_path / ".other.kdaconv-0123456789ab.partial"  # another destination's dead run: garbage too
     other.mkdir()
+    (other / "kda_hybrid_conversion.json").write_text(dead.joinpath("kda_hybrid_conversion.json").read_text())
+    (other / "model.safetensors").write_bytes(b"\0" * 2000)
     fd = os.open(live, os.O_RDONLY | os.O_DIRECTORY)
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     try:
         convert(tiny_src, dst, progress=False)
     finally:
         os.close(fd)
-    assert leftovers(tmp_path) == sorted(p.name for p in (live, not_ours, other))
+    assert leftovers(tmp_path) == sorted(p.name for p in (live, not_ours))
     assert read_folder(dst).keys() == kimi_inventory(tiny_kimi_config()).keys()
+
+
+def _dead_staging(folder: Path, dst_name: str, size: int = 1000, tag: str = "0123456789ab") -> Path:
+    path = folder / f".{dst_name}.kdaconv-{tag}.partial"
+    path.mkdir()
+    (path / "kda_hybrid_conversion.json").write_text(json.dumps({"tool": "kda_hybrid.conversion",
+                                                                  "complete": False}))
+    (path / "part-00000.safetensors.tmp").write_bytes(b"\0" * size)
+    return path
+
+
+def test_clean_removes_what_killed_runs_left_and_says_so(tmp_path, capsys):
+    """--clean DIR: every dead run's staging folder in DIR goes (named, with its size), a live run's and a folder
+    this tool did not write stay; with nothing to do it says so; it converts nothing and takes no SRC/DST."""
+    import fcntl
+
+    _dead_staging(tmp_path, "a", 270_000)
+    _dead_staging(tmp_path, "b", 10)
+    live = _dead_staging(tmp_path, "c", tag="ba9876543210")
+    foreign = tmp_path / ".d.kdaconv-cccccccccccc.partial"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    fd = os.open(live, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        assert cli_main(["--clean", str(tmp_path)]) == 0
+        out = capsys.readouterr().out
+        assert "removed .a.kdaconv-0123456789ab.partial (270.1 KB), left by a killed run" in out, out
+        assert "removed .b.kdaconv-0123456789ab.partial" in out
+        assert leftovers(tmp_path) == sorted([live.name, foreign.name])
+        assert cli_main(["--clean", str(tmp_path)]) == 0
+        assert "no staging folder of a killed run" in capsys.readouterr().out
+    finally:
+        os.close(fd)
+    assert cli_main(["--clean", str(tmp_path)]) == 0  # its run has ended (the lock is gone): now a leftover
+    assert "removed .c.kdaconv-ba9876543210.partial" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["--clean", str(tmp_path), "src", "dst"])
+    assert exit_.value.code == 2 and "takes no SRC or DST" in capsys.readouterr().err
+    assert cli_main(["--clean", str(tmp_path / "absent")]) == 1 and "not a folder" in capsys.readouterr().err
+
+
+def test_help_says_where_a_killed_run_leaves_its_staging_folder(capsys):
+    with pytest.raises(SystemExit):
+        cli_main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert ".<DST name>.kdaconv-<random>.partial" in text and "--clean DIR" in text and "SIGKILL" in text
+
+
+def test_sigterm_during_a_cli_run_removes_its_staging_folder(tmp_path, tiny_src, monkeypatch):
+    """SIGTERM (kill, a scheduler's stop) ends a CLI run as Ctrl-C does: the staging folder is removed and DST
+    never appears; the exit status is 128 + SIGTERM."""
+    import signal
+
+    from kda_hybrid.conversion import publish
+
+    def terminated(self, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("SIGTERM was not delivered")
+
+    monkeypatch.setattr(publish.Staging, "publish", terminated)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as exit_:
+        cli_main([str(tiny_src), str(tmp_path / "out"), "--no-progress"])
+    assert exit_.value.code == 128 + signal.SIGTERM
+    assert leftovers(tmp_path) == [] and not (tmp_path / "out").exists()
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def _digest(folder: Path):

@@ -201,6 +201,21 @@ def test_resume_equals_uninterrupted(data, single_run, tmp_path):
     assert train_losses(tmp_path) == train_losses(single_run)  # the log holds each step once
 
 
+@pytest.mark.parametrize("left", ["checkpoint.tmp", "checkpoint.old"])
+def test_resume_after_a_kill_between_the_checkpoint_renames(data, single_run, tmp_path, left):
+    """A run killed while a new checkpoint replaces the old one leaves it as checkpoint.tmp (complete, not yet
+    renamed) or the previous one as checkpoint.old, with no `checkpoint`: --resume continues from it (it had
+    started again from step 0, the old checkpoint already deleted), and ends as the uninterrupted run."""
+    run_train(*train_args(data, tmp_path, "--max-minutes", "1e-9"))
+    (tmp_path / "checkpoint").rename(tmp_path / left)
+    run = run_train(*train_args(data, tmp_path, "--resume"))
+    assert "steps 1..3" in run.stdout + run.stderr
+    one, resumed = final_params(single_run), final_params(tmp_path)
+    for k in one:
+        torch.testing.assert_close(resumed[k], one[k], rtol=0, atol=0, msg=k)
+    assert not (tmp_path / "checkpoint.tmp").exists() and not (tmp_path / "checkpoint.old").exists()
+
+
 def test_bf16_autocast_trains(data, tmp_path):
     """--mixed-precision bf16 (CPU autocast here; the default on GPUs with bf16): finite losses, fp32 validation."""
     run_train(*train_args(data, tmp_path, "--mixed-precision", "bf16", "--steps", "2", "--eval-every", "2"))

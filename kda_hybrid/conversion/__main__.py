@@ -1,15 +1,27 @@
-"""python -m kda_hybrid.conversion [--from FORMAT] [--to FORMAT] SRC DST"""
+"""python -m kda_hybrid.conversion [--from FORMAT] [--to FORMAT] SRC DST, or --clean DIR (killed runs' leftovers)"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+import threading
+from pathlib import Path
 
 from .checkpoint import parse_size
 from .configs import KDA_HYBRID, SOURCE_FORMATS, TARGET_FORMATS
 from .convert import DTYPES, convert
 from .layout import ConversionError
+from .publish import recover_folder
+
+STAGING_HELP = (
+    "A run writes into a hidden staging folder next to DST, .<DST name>.kdaconv-<random>.partial, and renames it "
+    "to DST only when complete, so DST is never half written. Interrupted (Ctrl-C, SIGTERM) or failing, a run "
+    "removes its staging folder; killed outright (SIGKILL, an OOM kill, power loss) it cannot, and the folder "
+    "stays, as large as what was written so far. Every later run removes such leftovers of dead runs beside its "
+    "DST, whatever their destination; --clean DIR removes those in DIR without converting. Folders of runs still "
+    "running (they hold a lock) and folders this tool did not write are never touched.")
 
 
 def _shard_size(text: str) -> int:
@@ -25,9 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Convert a Kimi Linear checkpoint folder (sharded safetensors + config.json) between Moonshot's "
                     "original layout, transformers' native kimi_linear and kda_hybrid, or turn a Llama, Mistral, "
                     "Qwen2 or Qwen3 checkpoint into a KDA hybrid (--layer-types). Streams one shard at a time.",
+        epilog=STAGING_HELP,
     )
-    parser.add_argument("src", help="source checkpoint folder")
-    parser.add_argument("dst", help="output folder (must not exist unless --overwrite)")
+    parser.add_argument("src", nargs="?", help="source checkpoint folder")
+    parser.add_argument("dst", nargs="?", help="output folder (must not exist unless --overwrite)")
+    parser.add_argument("--clean", metavar="DIR", default=None,
+                        help="remove the staging folders that killed runs left in DIR (see below), then exit")
     parser.add_argument("--from", dest="source", choices=SOURCE_FORMATS, default=None,
                         help="source layout; default: detected from config.json and the tensor names")
     parser.add_argument("--to", dest="target", choices=TARGET_FORMATS, default=KDA_HYBRID,
@@ -56,10 +71,19 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # bad flags: usage + error, exit status 2, before anything is touched
+    if args.clean is not None:
+        if args.src is not None or args.dst is not None:
+            parser.error("--clean DIR takes no SRC or DST (it converts nothing)")
+        return _clean(args.clean)
     for name in ("src", "dst"):
+        if getattr(args, name) is None:
+            parser.error(f"{name.upper()} is required (or --clean DIR)")
         if not getattr(args, name).strip():
             parser.error(f"{name.upper()} must be a folder path, got an empty string")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    # SIGTERM (kill, a job scheduler's stop) as an exception, so that the staging folder is removed as on Ctrl-C
+    main_thread = threading.current_thread() is threading.main_thread()  # signal handlers only there
+    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:
         out = convert(args.src, args.dst, source=args.source, target=args.target, dtype=args.dtype,
                       max_shard_size=args.max_shard_size, overwrite=args.overwrite,
@@ -71,7 +95,31 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as err:  # permissions, a read-only file system, ...: one line, not a traceback
         print(f"error: {err}", file=sys.stderr)
         return 1
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
     print(f"wrote {out}")
+    return 0
+
+
+def _terminate(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def _clean(folder: str) -> int:
+    path = Path(folder)
+    if not path.is_dir():
+        print(f"error: --clean {folder}: not a folder", file=sys.stderr)
+        return 1
+    try:
+        done = recover_folder(path)
+    except OSError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    for line in done:
+        print(f"{path}: {line}")
+    if not done:
+        print(f"{path}: no staging folder of a killed run")
     return 0
 
 

@@ -30,7 +30,15 @@ from .configs import (
 )
 from .from_attention import ATTENTION_SOURCES, KDAInit, is_attention_source
 from .layout import ConversionError, Group, Rule, Spec, apply_rule, identity_groups, kimi_inventory, native_groups
-from .publish import MANIFEST, Staging, check_destination, check_free_space, check_paths, is_out_of_space, recover
+from .publish import (
+    MANIFEST,
+    Staging,
+    check_destination,
+    check_free_space,
+    check_paths,
+    is_out_of_space,
+    recover_folder,
+)
 
 logger = logging.getLogger("kda_hybrid.conversion")
 
@@ -192,8 +200,8 @@ def convert(src, dst, *, source: str | None = None, target: str = KDA_HYBRID, dt
     if not src.is_dir():
         raise ConversionError(f"{src}: not a folder")
     dst_real = check_paths(src, dst)  # never the source, inside it or around it: before anything is touched
-    for line in recover(dst_real):  # what earlier killed runs left (only ours, only dead runs')
-        logger.warning("%s: %s", dst, line)
+    for line in recover_folder(dst_real.parent):  # what killed runs left beside DST (only ours, only dead runs')
+        logger.warning("%s: %s", dst_real.parent, line)
     check_destination(src, dst, overwrite=overwrite)
 
     raw = read_config(src)

@@ -162,6 +162,22 @@ def _same_inode(fd: int, path: Path) -> bool:
     return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
 
 
+_STAGING_NAME = re.compile(r"\.(?P<dst>.+)" + re.escape(_TAG) + r"[0-9a-f]{12}\.(?:partial|old)")
+
+
+def recover_folder(parent: Path) -> list[str]:
+    """recover() for every destination in `parent` that has staging folders: what killed runs left there, whatever
+    their destination (a dead run's staging folder is garbage for any later run: its lock proves the run gone)."""
+    if not parent.is_dir():
+        return []
+    names = sorted({m.group("dst") for p in parent.iterdir() if (m := _STAGING_NAME.fullmatch(p.name))})
+    return [line for name in names for line in recover(parent / name)]
+
+
+def _size(path: Path) -> int:
+    return sum(p.stat(follow_symlinks=False).st_size for p in path.rglob("*") if not p.is_symlink() and p.is_file())
+
+
 def _ours(path: Path, dst: Path) -> str | None:
     """'partial' or 'old' if `path` is named exactly like one of this tool's staging folders for `dst`."""
     match = re.fullmatch(re.escape("." + dst.name + _TAG) + r"[0-9a-f]{12}\.(partial|old)", path.name)
@@ -200,8 +216,9 @@ def recover(dst: Path) -> list[str]:
                     os.rename(path, dst)
                 done.append(f"restored the previous output from {path.name}")
                 continue
+            size = _size(path)
             _remove(path)
-            done.append(f"removed {path.name}, left by a killed run")
+            done.append(f"removed {path.name} ({_human(size)}), left by a killed run")
         finally:
             os.close(fd)
     return done

@@ -1,5 +1,5 @@
 """This checkout's model against the same model at an earlier git revision, interleaved in one process (1 thread,
-fp32, the 6.5M shape of kda_hybrid.shapes with the same weights): prefill = one forward of a T-token prompt with a
+fp32, the 6.5M shape of kda_hybrid.bench.shapes with the same weights): prefill = one forward of a T-token prompt with a
 cache, decode = median of --steps single-token forwards on that cache, alternating old and new every round so that
 drift hits both alike. Prints min and median per side and the median of the per-round ratios new / old.
 
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from kda_hybrid import KDAHybridConfig, KDAHybridForCausalLM
-from kda_hybrid.shapes import TINY_6P5M
+from kda_hybrid.bench.shapes import TINY_6P5M
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kda_hybrid.benchmarking import Report, benchmark_parser
+from kda_hybrid.bench.report import Report, benchmark_parser
 
 K = V = 128
 BT = 64

@@ -1,6 +1,6 @@
-"""The 6.5M-parameter KDA hybrid (kda_hybrid.shapes.tiny_6p5m) on CPU, side by side in one process with
+"""The 6.5M-parameter KDA hybrid (kda_hybrid.bench.shapes.tiny_6p5m) on CPU, side by side in one process with
 
-1. a same-size transformers `LlamaForCausalLM` (kda_hybrid.shapes.llama_twin_6p5m: hidden 256, 8 layers, 4 heads x
+1. a same-size transformers `LlamaForCausalLM` (kda_hybrid.bench.shapes.llama_twin_6p5m: hidden 256, 8 layers, 4 heads x
    64, SwiGLU 512): at each of --contexts, prefill = one forward of the prompt with a cache, decode = median time of
    --steps single-token forwards on the model's own cache; --repeats runs, the models interleaved within each run so
    that drift hits both alike; printed as ratios ours / Llama (below 1: ours is faster), median and range over runs;
@@ -13,7 +13,7 @@
 
 Both sections call the models the same way: `model(ids, use_cache=True, logits_to_keep=1)` for the prompt (each
 model builds its own cache), then `model(token, cache=cache, use_cache=True, logits_to_keep=1)` per step. fla is
-blocked in this process (kda_hybrid.benchmarking.native_twin) so the native model runs its PyTorch fallbacks
+blocked in this process (kda_hybrid.bench.report.native_twin) so the native model runs its PyTorch fallbacks
 (with fla installed it binds Triton kernels that crash on CPU tensors); our model never needs fla.
 """
 
@@ -28,8 +28,9 @@ import torch
 from transformers import LlamaForCausalLM
 
 from kda_hybrid import KDAHybridForCausalLM
-from kda_hybrid.benchmarking import Report, benchmark_parser, native_twin
-from kda_hybrid.shapes import llama_twin_6p5m, tiny_6p5m
+from kda_hybrid.bench.native import native_twin
+from kda_hybrid.bench.report import Report, benchmark_parser
+from kda_hybrid.bench.shapes import llama_twin_6p5m, tiny_6p5m
 
 
 @dataclass
@@ -97,8 +98,8 @@ def versus_llama(report: Report, contestants: list[Contestant], baseline: Contes
                 runs[c.name][n].append(measure(c, prompt(c.model.config.vocab_size, n), args.steps))
     others = [c.name for c in contestants if c is not baseline]
     report.print(f"\n## Against a same-size Llama (transformers {type(baseline.model).__name__}, "
-                 f"kda_hybrid.shapes.llama_twin_6p5m): median of {args.repeats} run(s), ratios with their [min-max] "
-                 f"over runs; below 1: ours is faster\n")
+                 f"kda_hybrid.bench.shapes.llama_twin_6p5m): median of {args.repeats} run(s), ratios with their "
+                 f"[min-max] over runs; below 1: ours is faster\n")
     cols = ([f"prefill ms: {n}" for n in names] + [f"prefill {n} / Llama" for n in others]
             + [f"decode ms/token: {n}" for n in names] + [f"decode {n} / Llama" for n in others])
     report.print("| context | " + " | ".join(cols) + " |")

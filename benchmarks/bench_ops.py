@@ -23,7 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kda_hybrid.benchmarking import Report, benchmark_parser
+from kda_hybrid.bench.report import Report, benchmark_parser
 
 B, H, K, V = 1, 4, 128, 128
 

@@ -1,5 +1,5 @@
-"""One packed training step (forward + backward) of the 6.5M shape (kda_hybrid.shapes.tiny_6p5m), hybrid and
-all-MLA twin, batched exactly as examples/train.py batches them (kda_hybrid.training): 4 rows x 512 tokens of a
+"""One packed training step (forward + backward) of the 6.5M shape (kda_hybrid.bench.shapes.tiny_6p5m), hybrid and
+all-MLA twin, batched exactly as examples/train.py batches them (kda_hybrid.train.data): 4 rows x 512 tokens of a
 prepare_data.py token stream, documents packed end to end (varlen KDA, per-document attention).
 
     python examples/prepare_data.py --out out/data/stdlib            # once
@@ -10,7 +10,7 @@ prepare_data.py token stream, documents packed end to end (varlen KDA, per-docum
 Side by side in one run: the checkout's default packed path (attention per document under sdpa) against the same
 with attention under a block-diagonal mask over the whole packed row (what eager uses), where the checkout has
 both. `--repo` runs this script again with that checkout's kda_hybrid first on PYTHONPATH (it needs the
-kda_hybrid.training and kda_hybrid.shapes modules). Prints one JSON line of median seconds per step.
+kda_hybrid.train.data and kda_hybrid.bench.shapes modules). Prints one JSON line of median seconds per step.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ import torch
 import kda_hybrid
 import kda_hybrid.modeling_kda_hybrid as modeling
 from kda_hybrid import KDAHybridForCausalLM
-from kda_hybrid.benchmarking import Report, benchmark_parser
-from kda_hybrid.shapes import tiny_6p5m
-from kda_hybrid.training import load_tokens, loss_sum, make_batch, num_rows, rows_for_step
+from kda_hybrid.bench.report import Report, benchmark_parser
+from kda_hybrid.bench.shapes import tiny_6p5m
+from kda_hybrid.train.data import load_tokens, loss_sum, make_batch, num_rows, rows_for_step
 
 
 def rerun_with(repo: Path) -> int:

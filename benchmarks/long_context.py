@@ -1,19 +1,19 @@
 """Long context on CPU: prefill time and peak RSS vs prompt length, decode ms/token vs context, cache bytes vs
-context, for the 6.5M-parameter KDA hybrid (kda_hybrid.shapes) and twins of the same size:
+context, for the 6.5M-parameter KDA hybrid (kda_hybrid.bench.shapes) and twins of the same size:
 
-    ours (6 KDA + 2 MLA)   the Kimi pattern, kda_hybrid.shapes.tiny_6p5m()
+    ours (6 KDA + 2 MLA)   the Kimi pattern, kda_hybrid.bench.shapes.tiny_6p5m()
     ours KDA-only          the same shape with all 8 layers KDA
     ours all-MLA           the same shape with all 8 layers MLA (our code, only layer_types differ)
-    Llama (all attention)  transformers' LlamaForCausalLM of kda_hybrid.shapes.llama_twin_6p5m(): hidden 256,
+    Llama (all attention)  transformers' LlamaForCausalLM of kda_hybrid.bench.shapes.llama_twin_6p5m(): hidden 256,
                            8 layers, 4 heads x 64, SwiGLU 512 (6.03M)
     native kimi_linear     transformers' KimiLinearForCausalLM with our hybrid's weights, fla blocked (PyTorch
-                           fallbacks, kda_hybrid.benchmarking.native_twin); slow, so its lengths stop at --native-max
+                           fallbacks, kda_hybrid.bench.report.native_twin); slow, so its lengths stop at --native-max
 
     python benchmarks/long_context.py            # full run, ~20-25 min on 1 thread
     python benchmarks/long_context.py --quick    # smaller lengths, < 5 min
 
 Every (model, prompt length) runs in a fresh subprocess so that its peak RSS (getrusage ru_maxrss) is its own.
-The prompt goes through `kda_hybrid.long_context.prefill` in chunks of --chunk tokens (what
+The prompt goes through `kda_hybrid.inference.long_context.prefill` in chunks of --chunk tokens (what
 `generate(prefill_chunk_size=...)` does), or in one forward for the "one-shot" series; then --decode-steps
 single-token forwards are timed (median); --repeats prefills per point give their median. The tables end with
 ours / Llama at every length both ran (benchmarks/bench_model.py has the same ratios for one-forward prefills,
@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from kda_hybrid.benchmarking import Report, benchmark_parser
+from kda_hybrid.bench.report import Report, benchmark_parser
 
 RESULTS = Path(__file__).resolve().parent / "results"
 K = 1024
@@ -61,8 +61,8 @@ def build(name: str, seed: int = 0):
     from transformers import LlamaForCausalLM
 
     from kda_hybrid import KDAHybridForCausalLM
-    from kda_hybrid.benchmarking import native_twin
-    from kda_hybrid.shapes import llama_twin_6p5m, tiny_6p5m
+    from kda_hybrid.bench.native import native_twin
+    from kda_hybrid.bench.shapes import llama_twin_6p5m, tiny_6p5m
 
     torch.manual_seed(seed)
     if name in ("hybrid", "native"):
@@ -114,7 +114,7 @@ def worker(spec: dict) -> dict:
 
     torch.set_num_threads(spec["threads"])
     model = build(spec["model"])
-    from kda_hybrid.long_context import prefill
+    from kda_hybrid.inference.long_context import prefill
 
     tokens, chunk = spec["tokens"], spec["chunk"] or spec["tokens"]
     ids = torch.randint(3, VOCAB, (1, tokens), generator=torch.Generator().manual_seed(1))

@@ -14,7 +14,7 @@ divergence from the teacher's next-token distribution (`--temperature`, `--kl-we
 (`--ce-weight`). This is the two-stage recipe of LoLCATs (Zhang et al., 2024) and RADLADS (Goldstein et al., 2025);
 see docs/from_attention.md.
 
-The loop is kda_hybrid.trainer's, the one examples/train.py runs: the same packed batches (documents never see each
+The loop is kda_hybrid.train.loop's, the one examples/train.py runs: the same packed batches (documents never see each
 other: the teacher gets a block-diagonal causal mask, the student its varlen path), gradient accumulation,
 DDP/FSDP2 under torchrun or accelerate, bf16 autocast, `--save-every` checkpoints, `--resume`, validation and
 `final/`. log.jsonl records the stage's loss and its parts (attn_mse; kl and ce) every step.
@@ -27,8 +27,8 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from kda_hybrid.trainer import add_arguments, fit
-from kda_hybrid.training import IGNORE_INDEX
+from kda_hybrid.train.data import IGNORE_INDEX
+from kda_hybrid.train.loop import add_arguments, fit
 
 
 def load(path: str):

@@ -9,8 +9,8 @@ distillation stage, and a hybrid of the same shape trained from scratch on the d
         --json docs/distillation_metrics.json --samples docs/distillation_samples.md --sample-from teacher "stage 2"
 
 For each model: parameters, validation loss / perplexity on every full row of val.bin (the 12 held-out stdlib files;
-kda_hybrid.training.evaluate, fp32, documents never see each other) and the inference cache of one sequence at
-1K / 8K / 32K tokens (kda_hybrid.training.cache_bytes_at). Every model is read as a kda_hybrid checkpoint (the
+kda_hybrid.train.data.evaluate, fp32, documents never see each other) and the inference cache of one sequence at
+1K / 8K / 32K tokens (kda_hybrid.train.data.cache_bytes_at). Every model is read as a kda_hybrid checkpoint (the
 teacher in the all-attention form it was trained in; its Llama export computes the same logits, which
 kda_hybrid.conversion.to_attention.export_llama checks before writing). The plot shows both stages' training
 losses against the step; the samples are the same prompts continued by the models named in --sample-from.
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from kda_hybrid.training import SingleProcess, cache_bytes_at, evaluate, load_tokens
+from kda_hybrid.train.data import SingleProcess, cache_bytes_at, evaluate, load_tokens
 
 CONTEXTS = (1024, 8192, 32768)
 PROMPTS = ("def read_config(path):\n", "class LRUCache:\n    def __init__(self, capacity):\n",

@@ -19,23 +19,15 @@ from pathlib import Path
 
 import torch
 
+from kda_hybrid.checkpoint_kda_hybrid import cache_bytes, format_bytes
+
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "checkpoints" / "kda-hybrid-stdlib"
 
 
-def full_attention_bytes(config, tokens: int, batch: int = 1, dtype_bytes: int = 4) -> int:
-    """KV bytes of the same model with every layer full attention (same attention type and dims)."""
-    if config.attention_type == "mla":
-        per_token_layer = config.kv_lora_rank + config.qk_rope_head_dim
-    else:
-        per_token_layer = 2 * config.num_key_value_heads * config.head_dim
-    return per_token_layer * dtype_bytes * config.num_hidden_layers * tokens * batch
-
-
-def fmt(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
-        n /= 1024
+def full_attention_bytes(config, tokens: int, batch: int = 1) -> int:
+    """KV bytes (fp32) of the same model with every layer full attention (same attention type and dims)."""
+    per_token_layer = cache_bytes(config, "float32")["kv_per_token_per_layer"]
+    return per_token_layer * config.num_hidden_layers * tokens * batch
 
 
 def load(args):
@@ -50,7 +42,7 @@ def load(args):
             tokenizer = None
         return model.eval(), tokenizer
     from kda_hybrid import KDAHybridForCausalLM
-    from kda_hybrid.shapes import tiny_6p5m
+    from kda_hybrid.bench.shapes import tiny_6p5m
 
     torch.manual_seed(args.seed)
     return KDAHybridForCausalLM(tiny_6p5m()).eval(), None
@@ -103,15 +95,16 @@ def main():
     tokens = report["tokens"]
     twin = full_attention_bytes(cfg, tokens)
     print(f"\ncache after {tokens} tokens:")
-    print(f"  KDA states ({report['kda_layers']} layers, fixed size): {fmt(report['kda_state_bytes'])}")
+    print(f"  KDA states ({report['kda_layers']} layers, fixed size): {format_bytes(report['kda_state_bytes'])}")
     print(f"  attention KV ({report['attention_layers']} layers, "
-          f"{report['kv_bytes_per_token_per_sequence']} B/token): {fmt(report['attention_kv_bytes'])}")
-    print(f"  total: {fmt(report['total_bytes'])}")
-    print(f"  an all-full-attention model of this shape would hold {fmt(twin)} now, "
-          f"growing {fmt(full_attention_bytes(cfg, 1))}/token")
+          f"{report['kv_bytes_per_token_per_sequence']} B/token): {format_bytes(report['attention_kv_bytes'])}")
+    print(f"  total: {format_bytes(report['total_bytes'])}")
+    print(f"  an all-full-attention model of this shape would hold {format_bytes(twin)} now, "
+          f"growing {format_bytes(full_attention_bytes(cfg, 1))}/token")
     for ctx in (8192, 131072):
         ours = report["kda_state_bytes"] + report["kv_bytes_per_token_per_sequence"] * ctx
-        print(f"  at {ctx} tokens: ours {fmt(ours)} vs all-attention {fmt(full_attention_bytes(cfg, ctx))}")
+        twin = full_attention_bytes(cfg, ctx)
+        print(f"  at {ctx} tokens: ours {format_bytes(ours)} vs all-attention {format_bytes(twin)}")
 
 
 if __name__ == "__main__":

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-from kda_hybrid.training import bpe_tokenizer
+from kda_hybrid.train.data import bpe_tokenizer
 
-SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>"]  # ids 0, 1, 2: the ids of kda_hybrid.shapes' configs
+SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>"]  # ids 0, 1, 2: the ids of kda_hybrid.bench.shapes' configs
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 # Test suites are two thirds of the stdlib by size and mostly boilerplate (idlelib and lib2to3 carry their own);
 # encodings/ is 1.4 MB of generated charmap tables.

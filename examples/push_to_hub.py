@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import kda_hybrid  # noqa: F401 - registers the classes, so save_pretrained writes auto_map and copies the code
 from kda_hybrid import KDAHybridConfig, KDAHybridForCausalLM
-from kda_hybrid.model_card_kda_hybrid import write_model_card
+from kda_hybrid.checkpoint_kda_hybrid import write_model_card
 
 
 def tiny_model() -> KDAHybridForCausalLM:

@@ -37,7 +37,7 @@ import json
 
 import torch
 
-from kda_hybrid.trainer import add_arguments, fit
+from kda_hybrid.train.loop import add_arguments, fit
 
 
 def build_model(args, meta: dict):
@@ -47,7 +47,7 @@ def build_model(args, meta: dict):
 
         return AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=True, dtype=torch.float32)
     from kda_hybrid import KDAHybridForCausalLM
-    from kda_hybrid.shapes import tiny_6p5m
+    from kda_hybrid.bench.shapes import tiny_6p5m
 
     over = {"vocab_size": meta["vocab_size"], "bos_token_id": meta["bos_token_id"],
             "eos_token_id": meta["eos_token_id"], "pad_token_id": meta["pad_token_id"]}
@@ -61,7 +61,7 @@ def build_model(args, meta: dict):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="fine-tune this checkpoint (default: train kda_hybrid.shapes.tiny_6p5m)")
+    p.add_argument("--model", help="fine-tune this checkpoint (default: train kda_hybrid.bench.shapes.tiny_6p5m)")
     p.add_argument("--config-json", help='overrides of the 6.5M shape, e.g. \'{"num_hidden_layers": 4}\'')
     p.add_argument("--all-attention", action="store_true", help="every layer full attention (the twin)")
     return add_arguments(p).parse_args(argv)

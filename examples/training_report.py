@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from kda_hybrid.training import SingleProcess, cache_bytes_at, evaluate, load_tokens
+from kda_hybrid.train.data import SingleProcess, cache_bytes_at, evaluate, load_tokens
 
 CONTEXTS = (1024, 8192, 32768)
 

@@ -10,8 +10,8 @@ from transformers import (
 
 from .cache_kda_hybrid import KDAHybridCache
 from .configuration_kda_hybrid import KDAHybridConfig
+from .inference.long_context import prefill
 from .kda_ops import chunk_kda, fused_recurrent_kda, triton_available
-from .long_context import prefill
 from .modeling_kda_hybrid import (
     KDAHybridForCausalLM,
     KDAHybridForSequenceClassification,

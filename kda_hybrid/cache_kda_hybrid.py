@@ -25,58 +25,14 @@ between cached and new tokens).
 
 from __future__ import annotations
 
-import dataclasses
 import operator
-from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache
 
-from .kda_ops import fused_recurrent_kda
-
-# Fingerprint: h(ids) = sum_i (ids_i + 1) * base^(T-1-i) mod p, for two primes below 2^31, so every product of two
-# residues (< 2^62) fits int64. Two independent moduli: a chance collision of two different prefixes is ~1 in 2^62.
-_HASH_MODULI = (2**31 - 1, 2**31 - 19)
-_HASH_BASES = (1_000_003, 999_999_937)
-# Tokens hashed per vectorised step: the [B, chunk, 2] int64 temporary stays at 1 MiB per row, and each sum of
-# chunk residues (< 2^31 each) stays far below 2^63.
-_HASH_CHUNK = 65536
-
-
-_HASH_CONSTANTS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _hash_constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(moduli, bases) as int64 [2] tensors on `device`, made once per device: a decode step then hashes its
-    token in three small ops, with no host-to-device copy."""
-    if device not in _HASH_CONSTANTS:
-        _HASH_CONSTANTS[device] = (torch.tensor(_HASH_MODULI, dtype=torch.int64, device=device),
-                                   torch.tensor(_HASH_BASES, dtype=torch.int64, device=device))
-    return _HASH_CONSTANTS[device]
-
-
-def _hash_extend(h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Fingerprint of (the tokens behind `h`) followed by `ids`. h: [B, 2] int64, ids: [B, T] integer -> [B, 2]."""
-    mod, base = _hash_constants(ids.device)
-    h = h.to(ids.device)
-    if ids.shape[1] == 1:  # decode step: h * base + id + 1
-        return (h * base + (ids.to(torch.int64) + 1) % mod) % mod
-    for start in range(0, ids.shape[1], _HASH_CHUNK):
-        chunk = ids[:, start : start + _HASH_CHUNK].to(torch.int64)
-        T = chunk.shape[1]
-        # powers[j] = base^j mod p, j < T, by doubling: log2(T) vectorised steps instead of T Python steps
-        powers = torch.ones(1, 2, dtype=torch.int64, device=ids.device)
-        while powers.shape[0] < T:
-            n = powers.shape[0]
-            step = torch.tensor([pow(b, n, p) for b, p in zip(_HASH_BASES, _HASH_MODULI)], device=ids.device)
-            powers = torch.cat((powers, powers * step % mod))
-        powers = powers[:T].flip(0)  # [T, 2]: base^(T-1-i)
-        terms = ((chunk + 1) % mod[:, None, None]).permute(1, 2, 0) * powers % mod  # [B, T, 2]
-        shift = torch.tensor([pow(b, T, p) for b, p in zip(_HASH_BASES, _HASH_MODULI)], device=ids.device)
-        h = (h * shift % mod + terms.sum(1) % mod) % mod
-    return h
+from .cache_layers_kda_hybrid import KDAHybridCacheLayer, KDALayerState, KVLayerState, kv_shapes
+from .fingerprint_kda_hybrid import extend_fingerprint
 
 
 def _as_int(name: str, value) -> int:
@@ -88,319 +44,6 @@ def _as_int(name: str, value) -> int:
     except TypeError:
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
 
-
-@dataclass
-class _Segment:
-    """One recorded forward of a KDA layer: enough to recompute its states for any prefix of its tokens."""
-
-    conv_before: list[torch.Tensor]  # q, k, v conv states before the forward, [B, C, kernel - 1] each
-    state_before: torch.Tensor  # [B, H, K, V] fp32
-    conv_inputs: list[torch.Tensor]  # compacted pre-conv inputs of the forward, [B, C, T] each
-    q: torch.Tensor  # compacted KDA inputs: q, k, g [B, T, H, K], v [B, T, H, V], beta [B, T, H]
-    k: torch.Tensor
-    v: torch.Tensor
-    g: torch.Tensor
-    beta: torch.Tensor
-    mask: torch.Tensor  # [B, T] bool, the forward's real-token mask in original positions
-
-    @property
-    def num_tokens(self) -> int:
-        return self.mask.shape[1]
-
-    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> _Segment:
-        """The same record with every tensor (all batch-first) replaced by fn(tensor)."""
-        values = {}
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            values[f.name] = [fn(t) for t in v] if isinstance(v, list) else fn(v)
-        return _Segment(**values)
-
-
-def shift_conv_state(conv_before: torch.Tensor, inputs: torch.Tensor, n_real: torch.Tensor) -> torch.Tensor:
-    """The last (kernel - 1) inputs seen after appending the first n_real[b] columns of `inputs` ([B, C, T],
-    real tokens first) to `conv_before` ([B, C, kernel - 1]). Returns [B, C, kernel - 1]."""
-    width = conv_before.shape[-1]
-    full = torch.cat((conv_before, inputs.to(conv_before.dtype)), dim=-1)  # [B, C, kernel - 1 + T]
-    idx = n_real.view(-1, 1) + torch.arange(width, device=full.device)  # window ending at the last real token
-    return full.gather(-1, idx.unsqueeze(1).expand(-1, full.shape[1], -1))
-
-
-class KDAHybridCacheLayer(ABC):
-    """What one layer of a `KDAHybridCache` implements: the explicit protocol the cache relies on (the part
-    transformers' `CacheLayerMixin` / `LinearAttentionCacheLayerMixin` play for its own caches).
-
-    Every tensor a layer holds, live state and rollback records alike, has the batch on dim 0: the batch
-    operations and offloading go through `map_tensors` and need nothing else from a layer.
-    """
-
-    is_sliding = False
-    # Not compileable: the KV buffers grow by reallocation and recorded forwards are Python lists, so tensor
-    # addresses are not static across steps (what cudagraphs need).
-    is_compileable = False
-    supports_early_init = True
-    record_past = False
-
-    def __init__(self):
-        self.offloaded_from: torch.device | None = None  # where offload() moved the tensors from
-
-    @property
-    @abstractmethod
-    def is_initialized(self) -> bool:
-        """Whether the layer holds tensors (after a forward or early_initialization)."""
-
-    @property
-    @abstractmethod
-    def is_croppable(self) -> bool:
-        """Whether crop() can put the layer back exactly as it was."""
-
-    @abstractmethod
-    def tensors(self) -> list[torch.Tensor]:
-        """The live state (what the next forward reads), [] when not initialized."""
-
-    @abstractmethod
-    def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Replace every tensor the layer holds (state and rollback records) by fn(tensor)."""
-
-    @abstractmethod
-    def check_crop(self, tokens_to_remove: int) -> None:
-        """Raise if crop(tokens_to_remove) (a count <= 0) cannot be done exactly. Changes nothing."""
-
-    @abstractmethod
-    def crop(self, tokens_to_remove: int) -> None:
-        """Remove the last -tokens_to_remove tokens; called only after check_crop passed on every layer."""
-
-    @abstractmethod
-    def early_initialization(self, batch_size: int, config, dtype: torch.dtype, device: torch.device) -> None:
-        """Allocate the state of an empty layer ahead of the first forward (equal to no state)."""
-
-    @abstractmethod
-    def reset(self) -> None:
-        """Forget every token (the next forward starts from nothing)."""
-
-    @abstractmethod
-    def release(self) -> None:
-        """Drop every tensor: back to the uninitialized layer, which any batch size may fill."""
-
-    @abstractmethod
-    def activate_past_recording(self) -> None:
-        """Start keeping what crop() needs (nothing, for a layer whose crop needs nothing)."""
-
-    @property
-    def batch_size(self) -> int:
-        tensors = self.tensors()
-        return tensors[0].shape[0] if tensors else -1
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors())
-
-    def offload(self) -> None:
-        """Move every tensor to the CPU (blocking, so the CPU copies are complete when this returns)."""
-        if not self.is_initialized or self.offloaded_from is not None:
-            return
-        device = self.tensors()[0].device
-        self.map_tensors(lambda t: t.to("cpu"))
-        self.offloaded_from = device
-
-    def prefetch(self) -> None:
-        """Move the tensors back to the device offload() took them from."""
-        if self.offloaded_from is None:
-            return
-        device, self.offloaded_from = self.offloaded_from, None
-        self.map_tensors(lambda t: t.to(device, non_blocking=True))
-
-
-class KDALayerState(KDAHybridCacheLayer):
-    """Conv and recurrent states of one KDA layer (fixed size), and while recording, the forwards to undo."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv_states: list[torch.Tensor] | None = None  # q, k, v: [B, H*K, kernel - 1]
-        self.recurrent_state: torch.Tensor | None = None  # [B, H, K, V] fp32
-        self.record_past = False
-        self.segments: list[_Segment] = []
-
-    @property
-    def is_initialized(self) -> bool:
-        return self.recurrent_state is not None
-
-    @property
-    def is_croppable(self) -> bool:
-        return self.record_past
-
-    @property
-    def recorded_tokens(self) -> int:
-        """Tokens crop() can remove: those of the forwards recorded since recording began or the last crop."""
-        return sum(seg.num_tokens for seg in self.segments)
-
-    def tensors(self):
-        if not self.is_initialized:
-            return []
-        return [*self.conv_states, self.recurrent_state]
-
-    def map_tensors(self, fn):
-        if self.is_initialized:
-            self.conv_states = [fn(c) for c in self.conv_states]
-            self.recurrent_state = fn(self.recurrent_state)
-        self.segments = [seg.map(fn) for seg in self.segments]
-
-    def activate_past_recording(self):
-        self.record_past = True
-
-    def record(self, segment: _Segment):
-        if self.record_past:
-            self.segments.append(segment)
-
-    def check_crop(self, tokens_to_remove: int):
-        n = -tokens_to_remove
-        if n and not self.record_past:
-            raise RuntimeError(
-                "crop() of a KDA layer needs the states of the removed tokens: call cache.activate_past_recording() "
-                "before the forward whose tokens you want to roll back"
-            )
-        if n > self.recorded_tokens:
-            raise RuntimeError(
-                f"cannot crop {n} tokens: only the last {self.recorded_tokens} are recorded (the forwards since "
-                "activate_past_recording() or the last crop)"
-            )
-
-    def crop(self, tokens_to_remove: int):
-        n = -tokens_to_remove
-        while n:
-            seg = self.segments.pop()
-            T = seg.num_tokens
-            if n >= T:  # the whole forward goes: restore the states it started from
-                self.conv_states, self.recurrent_state = seg.conv_before, seg.state_before
-                n -= T
-                continue
-            kept = seg.mask[:, : T - n].sum(1)  # real tokens kept per row
-            keep = torch.arange(T, device=kept.device) < kept[:, None]  # compacted layout: real tokens first
-            g = seg.g * keep[..., None, None]
-            beta = seg.beta * keep[..., None]
-            _, state = fused_recurrent_kda(
-                seg.q, seg.k, seg.v, g, beta, initial_state=seg.state_before.clone(), output_final_state=True,
-                use_qk_l2norm_in_kernel=True, inplace_final_state=True, backend="torch", check_inputs=False,
-            )
-            self.recurrent_state = state
-            self.conv_states = [shift_conv_state(c, x, kept) for c, x in zip(seg.conv_before, seg.conv_inputs)]
-            n = 0
-        self.segments = []  # what is left is committed: later crops only undo later forwards
-
-    def early_initialization(self, batch_size, config, dtype, device):
-        if self.is_initialized:
-            return
-        H, K, width = config.linear_num_heads, config.linear_head_dim, config.linear_conv_kernel_size - 1
-        self.conv_states = [torch.zeros(batch_size, H * K, width, dtype=dtype, device=device) for _ in range(3)]
-        self.recurrent_state = torch.zeros(batch_size, H, K, K, dtype=torch.float32, device=device)
-
-    def reset(self):
-        if self.is_initialized:  # zeroed in place: a zero state is the state of no tokens
-            for t in self.tensors():
-                t.zero_()
-        self.segments = []
-
-    def release(self):
-        self.conv_states = self.recurrent_state = None
-        self.segments = []
-        self.offloaded_from = None
-
-
-class KVLayerState(KDAHybridCacheLayer):
-    """Growing keys/values of one full-attention layer, [B, heads, T, dim] (for MLA: latent and shared key).
-
-    Stored in buffers with spare room (capacity doubles when full), so appending a decode step writes one
-    token instead of copying the whole cache as torch.cat would: per-token decode cost stays flat in context.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self._keys: torch.Tensor | None = None  # [B, heads, capacity, dim]
-        self._values: torch.Tensor | None = None
-        self.length = 0
-
-    @property
-    def keys(self) -> torch.Tensor | None:
-        return None if self._keys is None else self._keys[..., : self.length, :]
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        return None if self._values is None else self._values[..., : self.length, :]
-
-    @property
-    def is_initialized(self) -> bool:
-        return self._keys is not None
-
-    @property
-    def is_croppable(self) -> bool:
-        return True  # dropping the last tokens of a KV cache is exact
-
-    def tensors(self):
-        return [self.keys, self.values] if self.is_initialized else []
-
-    def update(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        n = keys.shape[-2]
-        if self._keys is None or self.length + n > self._keys.shape[-2]:
-            capacity = max(self.length + n, 2 * (self._keys.shape[-2] if self._keys is not None else 0))
-            self._keys = self._grow(self._keys, keys, capacity)
-            self._values = self._grow(self._values, values, capacity)
-        self._keys[..., self.length : self.length + n, :] = keys
-        self._values[..., self.length : self.length + n, :] = values
-        self.length += n
-        return self.keys, self.values
-
-    def mark_nonfinite(self, bad: torch.Tensor):
-        """NaN at the newest tokens where `bad` [B, T] (the last update's tokens): the attention layer computed that
-        update from zeros in their place (_CausalThroughNonFinite), and a later query that sees one must be NaN."""
-        T = bad.shape[1]
-        for buf in (self._keys, self._values):
-            rows = buf[..., self.length - T : self.length, :]
-            rows.copy_(torch.where(bad[:, None, :, None], torch.full((), float("nan"), dtype=buf.dtype,
-                                                                    device=buf.device), rows))
-
-    def _grow(self, old: torch.Tensor | None, new: torch.Tensor, capacity: int) -> torch.Tensor:
-        buf = new.new_empty(*new.shape[:-2], capacity, new.shape[-1])
-        if old is not None:
-            buf[..., : self.length, :] = old[..., : self.length, :]
-        return buf
-
-    def map_tensors(self, fn):
-        if self.is_initialized:  # the live tokens only: a batch copy need not carry the growth headroom
-            self._keys, self._values = fn(self.keys), fn(self.values)
-
-    def activate_past_recording(self):
-        pass  # dropping the last tokens needs no record
-
-    def check_crop(self, tokens_to_remove: int):
-        if -tokens_to_remove > self.length:
-            raise RuntimeError(f"cannot crop {-tokens_to_remove} tokens from an attention layer holding {self.length}")
-
-    def crop(self, tokens_to_remove: int):
-        self.length += tokens_to_remove
-
-    def early_initialization(self, batch_size, config, dtype, device):
-        if self.is_initialized:
-            return
-        (kh, kd), (vh, vd) = kv_shapes(config)
-        self._keys = torch.empty(batch_size, kh, 0, kd, dtype=dtype, device=device)
-        self._values = torch.empty(batch_size, vh, 0, vd, dtype=dtype, device=device)
-
-    def reset(self):
-        self.release()
-
-    def release(self):
-        self._keys = self._values = None
-        self.length = 0
-        self.offloaded_from = None
-
-    def allocated_bytes(self) -> int:
-        return 0 if self._keys is None else sum(t.numel() * t.element_size() for t in (self._keys, self._values))
-
-
-def kv_shapes(config) -> tuple[tuple[int, int], tuple[int, int]]:
-    """(heads, dim) of the two tensors a full-attention layer caches: MLA's latent and shared rotary key, or GQA's
-    keys and values."""
-    if config.attention_type == "mla":
-        return (1, config.kv_lora_rank), (1, config.qk_rope_head_dim)
-    return (config.num_key_value_heads, config.head_dim), (config.num_key_value_heads, config.head_dim)
 
 
 def _shape_fields(config) -> dict[str, object]:
@@ -504,7 +147,7 @@ class KDAHybridCache(Cache):
         self.check_compatible(self.config, input_ids.shape[0])
         if not self._fingerprint_known:
             return  # the cache consumed inputs_embeds or was cropped past its records: nothing to compare with
-        got = _hash_extend(torch.zeros(input_ids.shape[0], 2, dtype=torch.int64), input_ids[:, :L])
+        got = extend_fingerprint(torch.zeros(input_ids.shape[0], 2, dtype=torch.int64), input_ids[:, :L])
         bad = (got.to(self._fingerprint.device) != self._fingerprint).any(-1)
         if bool(bad.any()):
             rows = bad.nonzero().flatten().tolist()
@@ -561,7 +204,7 @@ class KDAHybridCache(Cache):
             before = self._fingerprint
             if before is None:
                 before = torch.zeros(ids.shape[0], 2, dtype=torch.int64, device=ids.device)
-            self._fingerprint = _hash_extend(before, ids)
+            self._fingerprint = extend_fingerprint(before, ids)
             if self._recording():
                 self._fingerprint_records.append((before, ids.detach().clone()))
         self._seen_tokens += num_tokens
@@ -763,7 +406,7 @@ class KDAHybridCache(Cache):
             if -n >= T:
                 self._fingerprint, n = before, n + T
             else:
-                self._fingerprint, n = _hash_extend(before, ids[:, : T + n]), 0
+                self._fingerprint, n = extend_fingerprint(before, ids[:, : T + n]), 0
 
     def _check_indices(self, name: str, indices, one_per_row: bool) -> torch.Tensor:
         if not isinstance(indices, torch.Tensor):

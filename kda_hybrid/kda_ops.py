@@ -34,20 +34,22 @@ from .kda_torch import (
     compute_dtype,
     fused_recurrent_kda_torch,
     kda_gate,
+    records_autograd,
     recurrent_kda_reference,
+    recurrent_step_,
 )
 
 try:  # optional: `import kda_hybrid` must work without triton (CPU wheels, macOS)
-    from .kda_triton import _interpreted as _triton_interpreted
     from .kda_triton import chunk_kda_triton, fused_recurrent_kda_triton
+    from .kda_triton_fwd import _interpreted as _triton_interpreted
 
     _TRITON_IMPORT_ERROR = None
     # grouped value heads have no keyword (only shapes): kernels that take HV > H say so with this flag, and
     # without it such a call is refused rather than read with the wrong strides
-    from . import kda_triton as _kda_triton_module
+    from . import kda_triton_fwd as _kda_triton_kernels
 
     def _triton_supports_gva() -> bool:
-        return bool(getattr(_kda_triton_module, "SUPPORTS_GVA", False))
+        return bool(getattr(_kda_triton_kernels, "SUPPORTS_GVA", False))
 except Exception as err:  # noqa: BLE001 - any failure (missing triton, no driver) means "not available"
     chunk_kda_triton = fused_recurrent_kda_triton = None
     _TRITON_IMPORT_ERROR = err
@@ -231,10 +233,6 @@ def _resolve(backend: str, device: torch.device) -> str:
                 "(or set TRITON_INTERPRET=1 before importing triton to run the kernels in the interpreter)"
             )
     return backend
-
-
-def _autograd_records(*xs) -> bool:
-    return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in xs)
 
 
 def _empty(q, v, initial_state, output_final_state, N, state_v_first, inplace, intermediate, chunks=0):
@@ -434,7 +432,7 @@ def _run(kind, q, k, v, g, beta, *, scale, initial_state, output_final_state, us
             h0 = torch.where(real, initial_state[pool_rows.clamp_min(0)], 0.0)
         if h0 is not None and v_first:
             h0 = h0.transpose(-1, -2)
-        write_through = inplace_final_state and pool_rows is None and not _autograd_records(q, k, v, g, beta, h0)
+        write_through = inplace_final_state and pool_rows is None and not records_autograd(q, k, v, g, beta, h0)
         if kind == "chunk":
             if backend == "reference":
                 out = recurrent_kda_reference(q, k, v, g, beta, scale, h0, output_final_state,
@@ -482,7 +480,7 @@ def _settle_inplace(out, initial_state, ssm_state_indices):
     unless autograd records the call: then initial_state (which backward may need) is left as it was and the new
     state is returned. Backends that already wrote in place cost nothing here."""
     o, final, *rest = out
-    if final is None or final is initial_state or _autograd_records(final, initial_state, o):
+    if final is None or final is initial_state or records_autograd(final, initial_state, o):
         return (o, final, *rest)
     with torch.no_grad():
         if ssm_state_indices is None:
@@ -584,7 +582,7 @@ def chunk_kda(
     if return_intermediate_states:
         if disable_recompute:
             raise ValueError("return_intermediate_states must be used with disable_recompute=False")
-        if _autograd_records(q, k, v, g, beta, initial_state, A_log, dt_bias):
+        if records_autograd(q, k, v, g, beta, initial_state, A_log, dt_bias):
             raise ValueError("return_intermediate_states is inference only: call it under torch.inference_mode() "
                              "or torch.no_grad() (the intermediate states carry no gradient)")
     options = _options(use_gate_in_kernel, A_log, dt_bias, lower_bound, use_beta_sigmoid_in_kernel,
@@ -683,11 +681,22 @@ def fused_recurrent_kda(
                 inplace_final_state=inplace_final_state, ssm_state_indices=ssm_state_indices)
 
 
-def _fused_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                         use_qk_l2norm_in_kernel=False, cu_seqlens=None, backend="auto", inplace_final_state=False):
-    """fused_recurrent_kda without the input checks, for callers that build their inputs (the model's decode
-    step, where the ~20 checks cost as much as the step's recurrence on CPU)."""
-    return _run("recurrent", q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                cu_seqlens=cu_seqlens, cu_seqlens_cpu=None, backend=backend, options={},
-                inplace_final_state=inplace_final_state and initial_state is not None)
+def recurrent_step(q, k, v, g, beta, state, *, scale=None, use_qk_l2norm_in_kernel=False, inplace=True,
+                   backend="auto"):
+    """One token per sequence on a carried state: the model's decode step, and the one entry into the recurrence
+    for a single token. No input checks (the model builds its inputs; the ~20 checks of fused_recurrent_kda cost
+    as much as the step itself on CPU).
+
+    q, k [B, H, K]; v [B, HV, V]; g [B, HV, K] (log decay, <= 0); beta [B, HV]; state [B, HV, K, V]. Returns
+    (o [B, HV, V] in v's dtype, the new state). With inplace=True the state is updated in place and returned,
+    unless autograd records the call (then, as in fused_recurrent_kda, a new state is returned and `state` is
+    left for backward). On CPU, a contiguous compute-dtype state without autograd takes the batched in-place
+    step of kda_torch (a dozen tensor ops); everything else runs fused_recurrent_kda's path for T = 1."""
+    scale = k.shape[-1] ** -0.5 if scale is None else scale
+    if inplace and _resolve(backend, q.device) == "torch" and state.is_contiguous() \
+            and state.dtype == compute_dtype(v.dtype) and not records_autograd(q, k, v, g, beta, state):
+        return recurrent_step_(q, k, v, g, beta, state, scale, use_qk_l2norm_in_kernel), state
+    o, state = _run("recurrent", q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], scale=scale,
+                    initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                    cu_seqlens=None, cu_seqlens_cpu=None, backend=backend, options={}, inplace_final_state=inplace)
+    return o[:, 0], state

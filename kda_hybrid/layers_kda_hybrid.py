@@ -13,10 +13,10 @@ from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .cache_kda_hybrid import KDALayerState, KVLayerState, _Segment, shift_conv_state
+from .cache_layers_kda_hybrid import KDALayerState, KVLayerState, conv_states_after
 from .configuration_kda_hybrid import KDAHybridConfig
-from .kda_ops import _fused_recurrent_kda, _resolve, chunk_kda
-from .kda_torch import _l2norm_factor, _step_
+from .kda_ops import chunk_kda, recurrent_step
+from .kda_torch import kda_gate
 
 ABSORB_MAX_QUERY = 16  # MLA: queries up to this long (decode, draft verification) attend in latent space
 # MLA latent attention from this many cached tokens on: scores as keys x queries (1.6 vs 2.3 ms per layer at 16K
@@ -308,27 +308,22 @@ class KDAHybridDeltaAttention(nn.Module):
         recording = cache_layer is not None and cache_layer.record_past
         if recording:
             state_before = state.clone() if state is not None else q.new_zeros(B, q.shape[2], K, K, dtype=torch.float32)
-            cache_layer.record(_Segment(
+            cache_layer.record(
                 conv_before=[c.clone() for c in conv_before], state_before=state_before,
                 conv_inputs=[c.detach() for c in conv_inputs], q=q.detach(), k=k.detach(), v=v.detach(),
                 g=g.detach(), beta=beta.detach(),
                 mask=token_mask if token_mask is not None else torch.ones(B, T, dtype=torch.bool, device=x.device),
-            ))
-        # g = -exp(A_log) softplus(.) <= 0 by construction: skip the ops' gate check (a device sync on GPU)
-        kw = dict(initial_state=state, output_final_state=cache_layer is not None, use_qk_l2norm_in_kernel=True)
+            )
         if has_state and T == 1:  # decode: one recurrent step updating the cached state in place
-            o, state = _fused_recurrent_kda(q, k, v, g, beta, inplace_final_state=not recording, **kw)
-        else:
-            o, state = chunk_kda(q, k, v, g, beta, check_inputs=False, **kw)
-
-        if cache_layer is not None:
-            if token_mask is None:  # every row ends on a real token: the last (kernel - 1) inputs, copied small
-                cache_layer.conv_states = [torch.cat((c, xi), -1)[..., -width:].clone() if T < width
-                                           else xi[..., -width:].contiguous()
-                                           for c, xi in zip(conv_before, conv_inputs)]
-            else:
-                cache_layer.conv_states = [shift_conv_state(c, xi, n_real) for c, xi in zip(conv_before, conv_inputs)]
-            cache_layer.recurrent_state = state
+            o, state = recurrent_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state,
+                                      use_qk_l2norm_in_kernel=True, inplace=not recording)
+            o = o[:, None]
+        else:  # g = -exp(A_log) softplus(.) <= 0 by construction: skip the op's gate check (a device sync on GPU)
+            o, state = chunk_kda(q, k, v, g, beta, initial_state=state, output_final_state=cache_layer is not None,
+                                 use_qk_l2norm_in_kernel=True, check_inputs=False)
+        if cache_layer is not None:  # every row ends on a real token unless padded: then up to its last real one
+            cache_layer.update(conv_states_after(conv_before, conv_inputs, None if token_mask is None else n_real),
+                               state)
 
         o = self._output(x, o)
         if inv is not None:
@@ -350,30 +345,18 @@ class KDAHybridDeltaAttention(nn.Module):
         C = qkv.shape[-1] // 3  # H * K, or this process's heads under tensor parallelism
         before = torch.cat(cache_layer.conv_states, 1).to(qkv.dtype)  # [B, 3C, kernel - 1]
         window = torch.cat((before, qkv.unsqueeze(-1)), -1)  # [B, 3C, kernel]
-        cache_layer.conv_states = list(window[..., 1:].clone().split(C, 1))  # the last (kernel - 1) inputs
+        conv_states = list(window[..., 1:].clone().split(C, 1))  # the last (kernel - 1) inputs
         qkv = F.silu((window * torch.cat(convs)[:, 0]).sum(-1)).view(B, 3, -1, K)  # [B, 3, H, K]
         g, beta = self._gates(x)  # [B, 1, H, K], [B, 1, H]
-        state = cache_layer.recurrent_state
-        if _resolve("auto", x.device) == "torch" and state.is_contiguous():
-            # the op's preparation without its [B, T] reshapes: compute dtype, q and k normalised by one norm over
-            # both, the scale on q's factor
-            qkv = qkv.to(state.dtype)
-            factor = _l2norm_factor(qkv[:, :2])  # [B, 2, H, 1]
-            factor[:, 0].mul_(K**-0.5)
-            qk = qkv[:, :2] * factor
-            o = _step_(qk[:, 0], qk[:, 1], qkv[:, 2], g[:, 0], beta[:, 0], state).unsqueeze(1)  # state in place
-        else:
-            o, state = _fused_recurrent_kda(qkv[:, None, 0], qkv[:, None, 1], qkv[:, None, 2], g, beta,
-                                            initial_state=state, output_final_state=True, inplace_final_state=True,
-                                            use_qk_l2norm_in_kernel=True)
-        cache_layer.recurrent_state = state
-        return self._output(x, o.to(x.dtype))  # o [B, 1, H, V] -> [B, 1, D]
+        o, state = recurrent_step(qkv[:, 0], qkv[:, 1], qkv[:, 2], g[:, 0], beta[:, 0], cache_layer.recurrent_state,
+                                  use_qk_l2norm_in_kernel=True)  # the cached state, in place
+        cache_layer.update(conv_states, state)
+        return self._output(x, o[:, None])  # o [B, H, V] -> [B, 1, D]
 
     def _gates(self, x):
         B, T, _ = x.shape
-        g = F.softplus(self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float())  # [B, T, H*K]
-        g = -self.A_log.float().exp() * g.view(B, T, -1, self.head_dim)  # [B, T, H, K] log decay
-        return g, torch.sigmoid(self.b_proj(x).float())  # beta [B, T, H]
+        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(B, T, -1, self.head_dim), self.A_log, self.dt_bias)
+        return g, torch.sigmoid(self.b_proj(x).float())  # log decay [B, T, H, K], beta [B, T, H]
 
     def _output(self, x, o):
         B, T, _ = x.shape
@@ -478,7 +461,7 @@ def _nonfinite_rows(x: torch.Tensor) -> torch.Tensor | None:
     compiling = torch.compiler.is_compiling()
     # eager: one reduction and one host read decide (a sum of finite values that overflows only costs the exact
     # route); the per-token mask is formed only when something is off
-    if not compiling and math.isfinite(float(x.sum(dtype=torch.float32))):
+    if not compiling and math.isfinite(float(x.detach().sum(dtype=torch.float32))):
         return None
     bad = ~torch.isfinite(x).all(-1)
     if compiling:

@@ -15,7 +15,6 @@ misshapen tensor fails the run instead of leaving randomly initialised weights b
 
 from __future__ import annotations
 
-import importlib.abc
 import json
 import os
 import subprocess
@@ -23,24 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-BLOCKED = ("fla", "causal_conv1d")
-
-
-class _BlockPackages(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in BLOCKED:
-            raise ImportError(f"{name} is blocked so transformers' kimi_linear uses its PyTorch fallbacks")
-        return None
-
-
-def block_fla() -> None:
-    """Make `import fla` (and causal_conv1d) fail in this process. Must run before transformers' kimi_linear
-    modeling module is imported; refuses if it already was, because its kernels are bound at import."""
-    loaded = [m for m in sys.modules if m.split(".")[0] in BLOCKED or m.endswith("modeling_kimi_linear")]
-    if loaded:
-        raise RuntimeError(f"block_fla() must run before these imports: {sorted(loaded)[:5]}")
-    if not any(isinstance(f, _BlockPackages) for f in sys.meta_path):
-        sys.meta_path.insert(0, _BlockPackages())
+from kda_hybrid.bench.native import block_fla  # importing kda_hybrid binds no fla and no native kimi_linear
 
 
 def run_native(model_dirs, input_ids, *, max_new_tokens: int = 0, save_native_to=None,

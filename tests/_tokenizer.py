@@ -15,7 +15,7 @@ import os.path
 from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast
 
-from kda_hybrid.training import bpe_tokenizer  # the builder of the shipped tokenizer too
+from kda_hybrid.train.data import bpe_tokenizer  # the builder of the shipped tokenizer too
 
 VOCAB_SIZE = 384  # 256 byte symbols + 5 specials + ~120 merges: fast to train, still merges real words
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>"]

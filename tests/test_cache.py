@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers.cache_utils import Cache
 
-import kda_hybrid.cache_kda_hybrid as cache_mod
+import kda_hybrid.fingerprint_kda_hybrid as fingerprint
 from kda_hybrid import KDAHybridCache
-from kda_hybrid.cache_kda_hybrid import KDAHybridCacheLayer, KDALayerState, KVLayerState
+from kda_hybrid.cache_layers_kda_hybrid import KDAHybridCacheLayer, KDALayerState, KVLayerState
 
 from . import helpers
 from .helpers import VOCAB, prompt
@@ -312,18 +312,18 @@ def test_fingerprint_hash_equals_python_integers(monkeypatch):
     """The vectorised int64 hash against the polynomial computed token by token with Python's exact integers,
     for one call, chunked calls, decode steps, and across the internal chunk boundary."""
     ids = torch.randint(0, 163840, (3, 130), generator=torch.Generator().manual_seed(0))  # Kimi's vocab size
-    want = torch.tensor([[_python_hash(row.tolist(), b, p) for b, p in zip(cache_mod._HASH_BASES,
-                                                                         cache_mod._HASH_MODULI)] for row in ids])
+    want = torch.tensor([[_python_hash(row.tolist(), b, p) for b, p in zip(fingerprint._HASH_BASES,
+                                                                         fingerprint._HASH_MODULI)] for row in ids])
     zero = torch.zeros(3, 2, dtype=torch.int64)
-    assert torch.equal(cache_mod._hash_extend(zero, ids), want)
+    assert torch.equal(fingerprint.extend_fingerprint(zero, ids), want)
     for step in (1, 7):
         h = zero
         for i in range(0, ids.shape[1], step):
-            h = cache_mod._hash_extend(h, ids[:, i : i + step])
+            h = fingerprint.extend_fingerprint(h, ids[:, i : i + step])
         assert torch.equal(h, want), step
-    monkeypatch.setattr(cache_mod, "_HASH_CHUNK", 32)
-    assert torch.equal(cache_mod._hash_extend(zero, ids), want)
-    assert not torch.equal(cache_mod._hash_extend(zero, ids.flip(1)), want)  # order matters
+    monkeypatch.setattr(fingerprint, "_HASH_CHUNK", 32)
+    assert torch.equal(fingerprint.extend_fingerprint(zero, ids), want)
+    assert not torch.equal(fingerprint.extend_fingerprint(zero, ids.flip(1)), want)  # order matters
 
 
 def _python_hash(tokens, base, p):
@@ -515,3 +515,101 @@ def test_layer_index_and_state_index_are_checked(model):
         cache.get_conv_state(KDA_IDX, 3)
     with pytest.raises(TypeError, match="layer_idx must be an int"):
         cache.offload(0.0)
+
+
+# --------------------------------------------------------------------------------------------------
+# Rollback, batch operations and the memory report through a model
+# --------------------------------------------------------------------------------------------------
+
+
+def kda_states(cache):
+    return [(layer.conv_states, layer.recurrent_state) for layer in cache.layers if isinstance(layer, KDALayerState)]
+
+
+def test_crop_rolls_back_states_exactly():
+    model = helpers.tiny_model("mla")
+    ids = prompt(B=2, T=14)
+    with torch.no_grad():
+        ref = model(ids[:, :9], use_cache=True).cache
+        cache = KDAHybridCache(model.config)
+        model(ids[:, :6], cache=cache)
+        cache.activate_past_recording()
+        model(ids[:, 6:8], cache=cache)  # several forwards since the last crop ...
+        model(ids[:, 8:10], cache=cache)
+        model(ids[:, 10:14], cache=cache)
+        cache.crop(-5)  # ... and the crop spans three of them
+    assert cache.get_seq_length() == 9
+    for (c1, s1), (c2, s2) in zip(kda_states(cache), kda_states(ref)):
+        torch.testing.assert_close(s1, s2, rtol=1e-5, atol=1e-6)
+        for a, b in zip(c1, c2):  # equal up to the rounding of differently batched projections
+            torch.testing.assert_close(a, b)
+    for l1, l2 in zip(cache.layers, ref.layers):
+        if isinstance(l1, KVLayerState):
+            torch.testing.assert_close(l1.keys, l2.keys)
+    with torch.no_grad():  # and decoding continues from there as from the reference
+        torch.testing.assert_close(model(ids[:, 9:10], cache=cache).logits, model(ids[:, 9:10], cache=ref).logits)
+
+
+def test_recording_stops_when_generate_clears_the_layer_flags():
+    """transformers' deferred stop check (generate on mps) ends recording by setting each cache layer's
+    record_past = False: the cache then keeps no more token records either (they grew by a copy of the ids per
+    forward), reports itself as not croppable, and its fingerprint still follows the tokens."""
+    model = helpers.tiny_model("mla")
+    ids = prompt(B=2, T=12)
+    cache, ref = KDAHybridCache(model.config), KDAHybridCache(model.config)
+    with torch.no_grad():
+        cache.activate_past_recording()
+        model(ids[:, :6], cache=cache)
+        assert cache.is_croppable and len(cache._fingerprint_records) == 1
+        for layer in cache.layers:
+            layer.record_past = False
+        for t in range(6, 12):
+            model(ids[:, t : t + 1], cache=cache)
+        model(ids, cache=ref)
+    assert not cache.is_croppable and cache._fingerprint_records == []
+    assert torch.equal(cache._fingerprint, ref._fingerprint)
+
+
+def test_crop_without_recording_is_a_clear_error():
+    model = helpers.tiny_model()
+    cache = KDAHybridCache(model.config)
+    with torch.no_grad():
+        model(prompt(), cache=cache)
+    assert not cache.is_croppable
+    with pytest.raises(RuntimeError, match="activate_past_recording"):
+        cache.crop(-1)
+    with pytest.raises(ValueError, match="negative"):
+        cache.crop(3)
+
+
+def test_batch_select_repeat_reorder_reset():
+    model = helpers.tiny_model("gqa")
+    ids = prompt(B=3)
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).cache
+        single = model(ids[1:2], use_cache=True).cache
+    cache.batch_select_indices(torch.tensor([1]))
+    for (c1, s1), (c2, s2) in zip(kda_states(cache), kda_states(single)):
+        torch.testing.assert_close(s1, s2, rtol=1e-5, atol=1e-6)
+        for a, b in zip(c1, c2):  # a batch of 3 against a batch of 1: equal up to fp32 rounding
+            torch.testing.assert_close(a, b)
+    cache.batch_repeat_interleave(2)
+    assert cache.batch_size == 2
+    cache.reorder_cache(torch.tensor([1, 0]))
+    assert cache.batch_size == 2
+    cache.reset()
+    assert cache.get_seq_length() == 0 and all(s.abs().sum() == 0 for _, s in kda_states(cache))
+
+
+def test_memory_report_kda_constant_attention_linear():
+    model = helpers.tiny_model("mla")
+    cfg = model.config
+    reports = []
+    for T in (8, 32):
+        with torch.no_grad():
+            reports.append(model(prompt(B=1, T=T), use_cache=True).cache.memory_report())
+    a, b = reports
+    assert a["kda_state_bytes"] == b["kda_state_bytes"] > 0  # fixed size
+    per_token = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4 * len(cfg.full_attention_layers)  # latent + k_rot
+    assert a["kv_bytes_per_token_per_sequence"] == b["kv_bytes_per_token_per_sequence"] == per_token
+    assert b["attention_kv_bytes"] - a["attention_kv_bytes"] == 24 * per_token

@@ -11,6 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kda_hybrid import KDAHybridForCausalLM
 from kda_hybrid.configuration_kda_hybrid import MAX_LINEAR_HEAD_DIM, KDAHybridConfig
 
 # Small valid configs, the base every invalid case changes one field of.
@@ -102,8 +103,8 @@ def test_bad_value_is_refused_naming_field_expected_and_got(kwargs, field, expec
 
 
 def test_limit_is_the_triton_kernels_limit():
-    kda_triton = pytest.importorskip("kda_hybrid.kda_triton", reason="needs triton to read its MAX_HEAD_DIM")
-    assert MAX_LINEAR_HEAD_DIM == kda_triton.MAX_HEAD_DIM
+    kda_triton_fwd = pytest.importorskip("kda_hybrid.kda_triton_fwd", reason="needs triton to read its MAX_HEAD_DIM")
+    assert MAX_LINEAR_HEAD_DIM == kda_triton_fwd.MAX_HEAD_DIM
     KDAHybridConfig(**dict(MLA, linear_head_dim=MAX_LINEAR_HEAD_DIM))  # the limit itself is fine
 
 
@@ -332,3 +333,52 @@ def test_rope_parameters_assigned_after_construction_are_applied_as_if_given(rop
     early = KDAHybridForCausalLM(KDAHybridConfig(**GQA, rope_parameters=dict(rope))).model.rotary_emb
     assert torch.equal(late.inv_freq, early.inv_freq) and late.attention_scaling == early.attention_scaling
     assert not torch.equal(late.inv_freq, KDAHybridForCausalLM(KDAHybridConfig(**GQA)).model.rotary_emb.inv_freq)
+
+
+BAD_CONFIGS = [
+    ("layer-types-length", dict(num_hidden_layers=4, layer_types=["linear_attention"] * 3), "layer_types"),
+    ("layer-types-name", dict(num_hidden_layers=2, layer_types=["linear_attention", "kda"]), "layer_types entries"),
+    ("attention-type", dict(attention_type="mha"), "attention_type"),
+    ("gqa-groups", dict(attention_type="gqa", num_attention_heads=6, num_key_value_heads=4), "multiple"),
+    ("topk-gt-experts", dict(num_experts=4, num_experts_per_tok=5), "num_experts_per_tok"),
+    ("zero-heads", dict(linear_num_heads=0), "linear_num_heads"),
+    ("float-hidden", dict(hidden_size=64.0), "hidden_size"),
+    ("bad-act", dict(hidden_act="gelu"), "hidden_act"),
+    ("kimi-softmax-router", dict(moe_router_activation_func="softmax"), "sigmoid"),
+    ("kimi-layer-out-of-range",
+     dict(num_hidden_layers=2, linear_attn_config={"kda_layers": [1], "full_attn_layers": [3]}), "1-based"),
+    ("kimi-layer-missing", dict(num_hidden_layers=3, linear_attn_config={"kda_layers": [1], "full_attn_layers": [3]}),
+     "neither"),
+]
+
+
+@pytest.mark.parametrize("name,kwargs,match", BAD_CONFIGS, ids=[b[0] for b in BAD_CONFIGS])
+def test_bad_config_raises(name, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        KDAHybridConfig(**kwargs)
+
+
+def test_kimi_linear_config_keys_build_the_same_architecture():
+    kimi = {
+        "model_type": "kimi_linear", "vocab_size": 163840, "hidden_size": 2304, "intermediate_size": 9216,
+        "num_hidden_layers": 27, "num_attention_heads": 32, "num_key_value_heads": 32, "rms_norm_eps": 1e-5,
+        "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "mla_use_nope": True, "num_experts": 256, "num_experts_per_token": 8, "moe_intermediate_size": 1024,
+        "num_shared_experts": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.446, "moe_renormalize": True,
+        "moe_router_activation_func": "sigmoid", "bos_token_id": 163584, "eos_token_id": 163586, "pad_token_id": 163839,
+        "linear_attn_config": {"kda_layers": [i for i in range(1, 28) if i not in (4, 8, 12, 16, 20, 24, 27)],
+                               "full_attn_layers": [4, 8, 12, 16, 20, 24, 27], "head_dim": 128, "num_heads": 32,
+                               "short_conv_kernel_size": 4},
+    }
+    cfg = KDAHybridConfig(**kimi)
+    assert cfg.full_attention_layers == [3, 7, 11, 15, 19, 23, 26]
+    assert (cfg.linear_num_heads, cfg.linear_head_dim, cfg.num_experts_per_tok, cfg.n_shared_experts) == (32, 128, 8, 1)
+    assert cfg.attention_type == "mla" and cfg.is_moe_layer(1) and not cfg.is_moe_layer(0)
+    back = cfg.to_kimi_linear_dict()
+    for key, value in kimi.items():
+        if key != "model_type":
+            assert back[key] == value, key
+    with torch.device("meta"):
+        model = KDAHybridForCausalLM(cfg)
+    params = sum(p.numel() for p in model.parameters())
+    assert abs(params / 1e9 - 49.1) < 0.1  # the checkpoint holds 49.1B parameters

@@ -13,7 +13,7 @@ from transformers.masking_utils import create_causal_mask
 from transformers.utils import logging
 
 from kda_hybrid import KDAHybridCache, KDAHybridForCausalLM
-from kda_hybrid.cache_kda_hybrid import KDALayerState
+from kda_hybrid.cache_layers_kda_hybrid import KDALayerState
 
 from . import helpers
 from .helpers import prompt

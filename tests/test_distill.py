@@ -1,5 +1,5 @@
 """examples/distill.py: stage 1 trains only the KDA layers to reproduce the teacher's attention outputs, stage 2 the
-whole student (or LoRA adapters) on KL to the teacher plus the LM loss; both on kda_hybrid.trainer's loop."""
+whole student (or LoRA adapters) on KL to the teacher plus the LM loss; both on kda_hybrid.train.loop's loop."""
 
 from __future__ import annotations
 

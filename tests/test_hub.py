@@ -18,7 +18,7 @@ from transformers.dynamic_module_utils import get_imports, get_relative_import_f
 
 import kda_hybrid
 from kda_hybrid import KDAHybridCache, KDAHybridConfig
-from kda_hybrid.model_card_kda_hybrid import GENERATED_MARKER, cache_bytes, model_card, write_model_card
+from kda_hybrid.checkpoint_kda_hybrid import GENERATED_MARKER, cache_bytes, model_card, write_model_card
 
 from . import helpers
 from ._fake_hub import FakeHub

@@ -1,5 +1,5 @@
-"""kda_hybrid.long_context.prefill: chunked prefill == one forward (logits and every cache state), memory bounded
-by the chunk, KDA-only cache bytes exactly constant in context."""
+"""kda_hybrid.inference.long_context.prefill: chunked prefill == one forward (logits and every cache state), memory
+bounded by the chunk, KDA-only cache bytes exactly constant in context."""
 
 import json
 import os
@@ -13,7 +13,7 @@ import torch
 
 import kda_hybrid.layers_kda_hybrid as layers
 from kda_hybrid import KDAHybridCache
-from kda_hybrid.long_context import prefill
+from kda_hybrid.inference.long_context import prefill
 
 from .helpers import VOCAB, prompt, tiny_model
 
@@ -150,7 +150,7 @@ MEMORY_PROBE = textwrap.dedent("""
     import gc, json, sys, torch
     torch.set_num_threads(1)
     from kda_hybrid import KDAHybridConfig, KDAHybridForCausalLM
-    from kda_hybrid.long_context import prefill
+    from kda_hybrid.inference.long_context import prefill
     T, chunk = int(sys.argv[1]), int(sys.argv[2])
 
     def status(key):  # kB -> bytes

@@ -5,8 +5,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from kda_hybrid import KDAHybridCache, KDAHybridConfig, KDAHybridForCausalLM, layers_kda_hybrid
-from kda_hybrid.cache_kda_hybrid import KDALayerState, KVLayerState
+from kda_hybrid import KDAHybridCache, KDAHybridForCausalLM, kda_ops, layers_kda_hybrid
+from kda_hybrid.cache_layers_kda_hybrid import KDALayerState, KVLayerState
 
 from .helpers import VOCAB, prompt, tiny_model
 
@@ -47,11 +47,12 @@ def test_greedy_with_cache_equals_without(attention, moe):
 
 @pytest.mark.parametrize("state_layout", ["contiguous", "strided"])
 def test_decode_step_equals_the_general_path(state_layout, monkeypatch):
-    """A decode token (KDA layers' _decode_step: one conv over q/k/v, batched in-place recurrence; a strided state
-    takes the op's general recurrent path) against the same token through the general path, which a rollback
-    record forces: logits, conv and recurrent states equal, in two rows, over several steps."""
+    """A decode token (KDA layers' _decode_step: one conv over q/k/v, then kda_ops.recurrent_step, whose batched
+    in-place step runs for a contiguous state; a strided state takes the op's general recurrent path) against the
+    same token through the general path, which a rollback record forces: logits, conv and recurrent states equal,
+    in two rows, over several steps."""
     calls = {"step": 0, "batched": 0}
-    step, batched = layers_kda_hybrid.KDAHybridDeltaAttention._decode_step, layers_kda_hybrid._step_
+    step, batched = layers_kda_hybrid.KDAHybridDeltaAttention._decode_step, kda_ops.recurrent_step_
 
     def counted(name, fn):
         def wrapper(*args, **kwargs):
@@ -61,7 +62,7 @@ def test_decode_step_equals_the_general_path(state_layout, monkeypatch):
         return wrapper
 
     monkeypatch.setattr(layers_kda_hybrid.KDAHybridDeltaAttention, "_decode_step", counted("step", step))
-    monkeypatch.setattr(layers_kda_hybrid, "_step_", counted("batched", batched))
+    monkeypatch.setattr(kda_ops, "recurrent_step_", counted("batched", batched))
     model = tiny_model("mla")
     ids = prompt(B=2, T=12)
     caches = []
@@ -282,95 +283,6 @@ def test_pipeline_text_generation(tmp_path):
 # --------------------------------------------------------------------------------------------------
 
 
-def test_crop_rolls_back_states_exactly():
-    model = tiny_model("mla")
-    ids = prompt(B=2, T=14)
-    with torch.no_grad():
-        ref = model(ids[:, :9], use_cache=True).cache
-        cache = KDAHybridCache(model.config)
-        model(ids[:, :6], cache=cache)
-        cache.activate_past_recording()
-        model(ids[:, 6:8], cache=cache)  # several forwards since the last crop ...
-        model(ids[:, 8:10], cache=cache)
-        model(ids[:, 10:14], cache=cache)
-        cache.crop(-5)  # ... and the crop spans three of them
-    assert cache.get_seq_length() == 9
-    for (c1, s1), (c2, s2) in zip(kda_states(cache), kda_states(ref)):
-        torch.testing.assert_close(s1, s2, rtol=1e-5, atol=1e-6)
-        for a, b in zip(c1, c2):  # equal up to the rounding of differently batched projections
-            torch.testing.assert_close(a, b)
-    for l1, l2 in zip(cache.layers, ref.layers):
-        if isinstance(l1, KVLayerState):
-            torch.testing.assert_close(l1.keys, l2.keys)
-    with torch.no_grad():  # and decoding continues from there as from the reference
-        torch.testing.assert_close(model(ids[:, 9:10], cache=cache).logits, model(ids[:, 9:10], cache=ref).logits)
-
-
-def test_recording_stops_when_generate_clears_the_layer_flags():
-    """transformers' deferred stop check (generate on mps) ends recording by setting each cache layer's
-    record_past = False: the cache then keeps no more token records either (they grew by a copy of the ids per
-    forward), reports itself as not croppable, and its fingerprint still follows the tokens."""
-    model = tiny_model("mla")
-    ids = prompt(B=2, T=12)
-    cache, ref = KDAHybridCache(model.config), KDAHybridCache(model.config)
-    with torch.no_grad():
-        cache.activate_past_recording()
-        model(ids[:, :6], cache=cache)
-        assert cache.is_croppable and len(cache._fingerprint_records) == 1
-        for layer in cache.layers:
-            layer.record_past = False
-        for t in range(6, 12):
-            model(ids[:, t : t + 1], cache=cache)
-        model(ids, cache=ref)
-    assert not cache.is_croppable and cache._fingerprint_records == []
-    assert torch.equal(cache._fingerprint, ref._fingerprint)
-
-
-def test_crop_without_recording_is_a_clear_error():
-    model = tiny_model()
-    cache = KDAHybridCache(model.config)
-    with torch.no_grad():
-        model(prompt(), cache=cache)
-    assert not cache.is_croppable
-    with pytest.raises(RuntimeError, match="activate_past_recording"):
-        cache.crop(-1)
-    with pytest.raises(ValueError, match="negative"):
-        cache.crop(3)
-
-
-def test_batch_select_repeat_reorder_reset():
-    model = tiny_model("gqa")
-    ids = prompt(B=3)
-    with torch.no_grad():
-        cache = model(ids, use_cache=True).cache
-        single = model(ids[1:2], use_cache=True).cache
-    cache.batch_select_indices(torch.tensor([1]))
-    for (c1, s1), (c2, s2) in zip(kda_states(cache), kda_states(single)):
-        torch.testing.assert_close(s1, s2, rtol=1e-5, atol=1e-6)
-        for a, b in zip(c1, c2):  # a batch of 3 against a batch of 1: equal up to fp32 rounding
-            torch.testing.assert_close(a, b)
-    cache.batch_repeat_interleave(2)
-    assert cache.batch_size == 2
-    cache.reorder_cache(torch.tensor([1, 0]))
-    assert cache.batch_size == 2
-    cache.reset()
-    assert cache.get_seq_length() == 0 and all(s.abs().sum() == 0 for _, s in kda_states(cache))
-
-
-def test_memory_report_kda_constant_attention_linear():
-    model = tiny_model("mla")
-    cfg = model.config
-    reports = []
-    for T in (8, 32):
-        with torch.no_grad():
-            reports.append(model(prompt(B=1, T=T), use_cache=True).cache.memory_report())
-    a, b = reports
-    assert a["kda_state_bytes"] == b["kda_state_bytes"] > 0  # fixed size
-    per_token = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4 * len(cfg.full_attention_layers)  # latent + k_rot
-    assert a["kv_bytes_per_token_per_sequence"] == b["kv_bytes_per_token_per_sequence"] == per_token
-    assert b["attention_kv_bytes"] - a["attention_kv_bytes"] == 24 * per_token
-
-
 # --------------------------------------------------------------------------------------------------
 # Save / load, dtypes
 # --------------------------------------------------------------------------------------------------
@@ -441,55 +353,6 @@ def test_gradients_finite_and_checkpointing_matches(attention, moe):
 # --------------------------------------------------------------------------------------------------
 # Config validation and Kimi-Linear keys
 # --------------------------------------------------------------------------------------------------
-
-
-BAD_CONFIGS = [
-    ("layer-types-length", dict(num_hidden_layers=4, layer_types=["linear_attention"] * 3), "layer_types"),
-    ("layer-types-name", dict(num_hidden_layers=2, layer_types=["linear_attention", "kda"]), "layer_types entries"),
-    ("attention-type", dict(attention_type="mha"), "attention_type"),
-    ("gqa-groups", dict(attention_type="gqa", num_attention_heads=6, num_key_value_heads=4), "multiple"),
-    ("topk-gt-experts", dict(num_experts=4, num_experts_per_tok=5), "num_experts_per_tok"),
-    ("zero-heads", dict(linear_num_heads=0), "linear_num_heads"),
-    ("float-hidden", dict(hidden_size=64.0), "hidden_size"),
-    ("bad-act", dict(hidden_act="gelu"), "hidden_act"),
-    ("kimi-softmax-router", dict(moe_router_activation_func="softmax"), "sigmoid"),
-    ("kimi-layer-out-of-range",
-     dict(num_hidden_layers=2, linear_attn_config={"kda_layers": [1], "full_attn_layers": [3]}), "1-based"),
-    ("kimi-layer-missing", dict(num_hidden_layers=3, linear_attn_config={"kda_layers": [1], "full_attn_layers": [3]}),
-     "neither"),
-]
-
-
-@pytest.mark.parametrize("name,kwargs,match", BAD_CONFIGS, ids=[b[0] for b in BAD_CONFIGS])
-def test_bad_config_raises(name, kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        KDAHybridConfig(**kwargs)
-
-
-def test_kimi_linear_config_keys_build_the_same_architecture():
-    kimi = {
-        "model_type": "kimi_linear", "vocab_size": 163840, "hidden_size": 2304, "intermediate_size": 9216,
-        "num_hidden_layers": 27, "num_attention_heads": 32, "num_key_value_heads": 32, "rms_norm_eps": 1e-5,
-        "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-        "mla_use_nope": True, "num_experts": 256, "num_experts_per_token": 8, "moe_intermediate_size": 1024,
-        "num_shared_experts": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.446, "moe_renormalize": True,
-        "moe_router_activation_func": "sigmoid", "bos_token_id": 163584, "eos_token_id": 163586, "pad_token_id": 163839,
-        "linear_attn_config": {"kda_layers": [i for i in range(1, 28) if i not in (4, 8, 12, 16, 20, 24, 27)],
-                               "full_attn_layers": [4, 8, 12, 16, 20, 24, 27], "head_dim": 128, "num_heads": 32,
-                               "short_conv_kernel_size": 4},
-    }
-    cfg = KDAHybridConfig(**kimi)
-    assert cfg.full_attention_layers == [3, 7, 11, 15, 19, 23, 26]
-    assert (cfg.linear_num_heads, cfg.linear_head_dim, cfg.num_experts_per_tok, cfg.n_shared_experts) == (32, 128, 8, 1)
-    assert cfg.attention_type == "mla" and cfg.is_moe_layer(1) and not cfg.is_moe_layer(0)
-    back = cfg.to_kimi_linear_dict()
-    for key, value in kimi.items():
-        if key != "model_type":
-            assert back[key] == value, key
-    with torch.device("meta"):
-        model = KDAHybridForCausalLM(cfg)
-    params = sum(p.numel() for p in model.parameters())
-    assert abs(params / 1e9 - 49.1) < 0.1  # the checkpoint holds 49.1B parameters
 
 
 @pytest.mark.parametrize("attention", ["mla", "gqa"])

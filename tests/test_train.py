@@ -1,5 +1,5 @@
 """examples/train.py and fine-tuning with the usual tools: DDP and FSDP2 (2 gloo processes) == one process on the
-same global batch, checkpoint/resume == uninterrupted, packed batches (kda_hybrid.training) leak nothing across
+same global batch, checkpoint/resume == uninterrupted, packed batches (kda_hybrid.train.data) leak nothing across
 documents, transformers.Trainer, and peft LoRA on the KDA and MLA projections. The examples run as scripts, in
 subprocesses, as a user runs them."""
 
@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from kda_hybrid import KDAHybridConfig, KDAHybridForCausalLM, training
+from kda_hybrid import KDAHybridConfig, KDAHybridForCausalLM
+from kda_hybrid.train import data as training
 
 from . import helpers
 from .helpers import TRAIN_SHAPE
@@ -237,48 +238,6 @@ def test_final_checkpoint_loads_with_remote_code(single_run):
     out = model.generate(ids, max_new_tokens=5)
     assert out.shape == (1, ids.shape[1] + 5)
     assert model.generation_config.do_sample and model.generation_config.eos_token_id == tokenizer.eos_token_id
-
-
-# the shipped checkpoints and their measured loss on the snippet below (an untrained model gives ln 2048 = 7.6)
-SHIPPED = {"kda-hybrid-stdlib": 1.95, "kda-hybrid-stdlib-distilled": 2.40}
-
-
-@pytest.mark.parametrize("name", list(SHIPPED))
-def test_shipped_checkpoint_generates_python(name):
-    """A shipped checkpoint loads as a user loads it (remote code, its own tokenizer) and is trained: its loss on
-    a stdlib-style snippet is far below a uniform guess over the vocabulary (ln 2048 = 7.6)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    folder = REPO / "checkpoints" / name
-    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
-    assert model.config.model_type == "kda_hybrid" and len(tokenizer) == model.config.vocab_size == 2048
-    assert model.model.layers[0].self_attn.A_log.dtype == torch.float32
-    snippet = "import os\n\n\ndef main(self, path):\n    if not os.path.exists(path):\n        return None\n"
-    ids = tokenizer(snippet, return_tensors="pt").input_ids
-    with torch.no_grad():
-        loss = float(model(ids, labels=ids).loss)
-        out = model.generate(ids[:, :4], max_new_tokens=8, do_sample=False)
-    assert loss < SHIPPED[name] + 0.3, loss  # measured as SHIPPED says (the first 250-step checkpoint: 3.96)
-    assert out.shape == (1, 12)
-
-
-@pytest.mark.parametrize("name", list(SHIPPED))
-def test_shipped_checkpoint_code_is_the_package_code(name):
-    """The checkpoint carries the flat modules trust_remote_code runs as real files (so the folder survives
-    `cp -r`, `git archive`, a zip and a Hub upload), byte-identical to the package's own; every module the
-    modeling file needs must be there."""
-    import kda_hybrid
-    from kda_hybrid.model_card_kda_hybrid import _carried_modules
-
-    folder = REPO / "checkpoints" / name
-    package = Path(kda_hybrid.__file__).parent
-    links = [m for m in _carried_modules() if (folder / m).is_symlink()]
-    stale = [m for m in _carried_modules()
-             if not (folder / m).is_file() or (folder / m).read_bytes() != (package / m).read_bytes()]
-    fix = f"run: python scripts/refresh_checkpoint_code.py {folder.relative_to(REPO)}"
-    assert not links, f"links dangle after a plain copy: {links}; {fix}"
-    assert not stale, f"differ from the package's modules: {stale}; {fix}"
 
 
 def tiny_model(vocab_size: int, seed: int = 0) -> KDAHybridForCausalLM:

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from kda_hybrid import chunk_kda, fused_recurrent_kda, kda_ops, kda_stages
+from kda_hybrid import chunk_kda, fused_recurrent_kda, kda_ops, kda_triton_twins
 from kda_hybrid.kda_torch import chunk_kda_torch, recurrent_kda_reference
 
 from .helpers import (
@@ -34,7 +34,7 @@ DEVICE = "cuda" if CUDA else "cpu"
 if not kda_ops.triton_available():
     pytest.skip(f"Triton kernels unavailable: {kda_ops._TRITON_IMPORT_ERROR!r}", allow_module_level=True)
 
-from kda_hybrid import kda_triton  # noqa: E402  (importable: checked just above)
+from kda_hybrid import kda_triton, kda_triton_fwd  # noqa: E402  (importable: checked just above)
 
 
 def _make_stdlib_interpretable(mp):
@@ -382,7 +382,7 @@ def _compile_all_for_sm90(dtype: str) -> list[str]:
 
     from kda_hybrid import kda_triton_bwd as ktb
 
-    kt = kda_triton
+    kt = kda_triton_fwd
     prec = "ieee" if dtype == "fp32" else "tf32"
     fp32_buffers = ("G", "Akk", "Aqk", "Ai", "w", "u", "h0", "ht", "h", "v_new", "dht", "dh0", "dh", "dv_new",
                     "dq", "dk", "dbeta", "dG", "dAqk", "dAkk")
@@ -437,7 +437,7 @@ def test_kernels_compile_for_sm90(dtype):
 
 
 # ------------------------------------------------------------------------------------------------
-# Stage twins: every Triton stage launcher against its PyTorch twin in kda_stages (same signature), fed the
+# Stage twins: every Triton stage launcher against its PyTorch twin in kda_triton_twins (same signature), fed the
 # same inputs (the twins' own intermediates), so that a wrong result points at one kernel. Grouped value
 # heads (H = 1, HV = 2) in every stage, packed sequences of 5 and 70 tokens (a partial chunk, a whole chunk,
 # a 6-token tail), g about -20 per token in one head's tokens (strong decay) and one g = -inf reset.
@@ -464,8 +464,8 @@ def _stage_inputs():
 def _twin_intermediates(chunk_size):
     """Every intermediate of the forward and backward, from the twins."""
     q, k, v, g, beta, h0, cu, do, dht = _stage_inputs()
-    st, scale = kda_stages, 0.25
-    layout = kda_triton._chunk_layout(cu, 1, q.shape[1], q.device, chunk_size=chunk_size)
+    st, scale = kda_triton_twins, 0.25
+    layout = kda_triton_fwd._chunk_layout(cu, 1, q.shape[1], q.device, chunk_size=chunk_size)
     G = st.gate_cumsum_ref(g, layout)
     Akk, Aqk = st.gated_products_ref(q, k, G, beta, scale, layout)
     Ai, w, u = st.wy_solve_ref(k, v, G, beta, Akk, layout)
@@ -488,7 +488,7 @@ def _lower_mask(layout, T, strict):
     """[1, T, 1, BT]: the columns of each row's chunk row that the kernels read (c <= position of the row in
     its chunk, c < it if strict)."""
     mask = torch.zeros(1, T, 1, layout.chunk_size, dtype=torch.bool)
-    for sl, _, _ in kda_stages._chunks(layout):
+    for sl, _, _ in kda_triton_twins._chunks(layout):
         for p, t in enumerate(range(sl.start, sl.stop)):
             mask[0, t, 0, : p + (0 if strict else 1)] = True
     return mask.to(DEVICE)
@@ -523,12 +523,12 @@ def test_twin_pipeline_matches_reference(stage_data):
 
 def test_stage_gate_cumsum(stage_data):
     d = stage_data
-    _check_stage("G", kda_triton._gate_cumsum_fwd(d["g"], d["layout"]), d["G"])
+    _check_stage("G", kda_triton_fwd._gate_cumsum_fwd(d["g"], d["layout"]), d["G"])
 
 
 def test_stage_gated_products(stage_data):
     d = stage_data
-    Akk, Aqk = kda_triton._gated_products_fwd(d["q"], d["k"], d["G"], d["beta"], d["scale"], d["layout"])
+    Akk, Aqk = kda_triton_fwd._gated_products_fwd(d["q"], d["k"], d["G"], d["beta"], d["scale"], d["layout"])
     T = d["q"].shape[1]
     _check_stage("A_kk", Akk, d["Akk"], mask=_lower_mask(d["layout"], T, strict=True))
     _check_stage("A_qk", Aqk, d["Aqk"], mask=_lower_mask(d["layout"], T, strict=False))
@@ -536,21 +536,21 @@ def test_stage_gated_products(stage_data):
 
 def test_stage_wy_solve(stage_data):
     d = stage_data
-    Ai, w, u = kda_triton._wy_solve_fwd(d["k"], d["v"], d["G"], d["beta"], d["Akk"], d["layout"])
+    Ai, w, u = kda_triton_fwd._wy_solve_fwd(d["k"], d["v"], d["G"], d["beta"], d["Akk"], d["layout"])
     for name, got in (("Ai", Ai), ("w", w), ("u", u)):
         _check_stage(name, got, d[name])
 
 
 def test_stage_state_scan(stage_data):
     d = stage_data
-    h, v_new, ht = kda_triton._state_scan_fwd(d["k"], d["w"], d["u"], d["G"], d["h0"], True, d["layout"])
+    h, v_new, ht = kda_triton_fwd._state_scan_fwd(d["k"], d["w"], d["u"], d["G"], d["h0"], True, d["layout"])
     for name, got in (("h", h), ("v_new", v_new), ("ht", ht)):
         _check_stage(name, got, d[name])
 
 
 def test_stage_output(stage_data):
     d = stage_data
-    o = kda_triton._output_fwd(d["q"], d["G"], d["Aqk"], d["h"], d["v_new"], d["scale"], d["layout"], d["v"].dtype)
+    o = kda_triton_fwd._output_fwd(d["q"], d["G"], d["Aqk"], d["h"], d["v_new"], d["scale"], d["layout"], d["v"].dtype)
     _check_stage("o", o, d["o"])
 
 
@@ -789,7 +789,7 @@ def test_chunk_cu_seqlens_cpu_gives_the_same_result():
 def test_stage_wy_solve_chunk32():
     """chunk_size 32: the solve kernel's two-block form (row and column blocks 2, 3 masked) against its twin."""
     d = _twin_intermediates(32)
-    Ai, w, u = kda_triton._wy_solve_fwd(d["k"], d["v"], d["G"], d["beta"], d["Akk"], d["layout"])
+    Ai, w, u = kda_triton_fwd._wy_solve_fwd(d["k"], d["v"], d["G"], d["beta"], d["Akk"], d["layout"])
     for name, got in (("Ai", Ai), ("w", w), ("u", u)):
         _check_stage(name, got, d[name])
 

@@ -12,7 +12,7 @@ from transformers import PretrainedConfig
 LINEAR = "linear_attention"
 FULL = "full_attention"
 
-# The largest KDA head dim the Triton kernels take: kda_triton.MAX_HEAD_DIM (they hold a head's K = V in one
+# The largest KDA head dim the Triton kernels take: kda_triton_fwd.MAX_HEAD_DIM (they hold a head's K = V in one
 # register tile). Checked here so a config that cannot run on GPU fails at construction, not in a kernel launch.
 MAX_LINEAR_HEAD_DIM = 256
 

@@ -24,6 +24,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.utils import can_return_tuple, logging
 
 from .cache_kda_hybrid import KDAHybridCache
+from .checkpoint_kda_hybrid import write_checkpoint_metadata, write_model_card
 from .configuration_kda_hybrid import KDAHybridConfig
 from .layers_kda_hybrid import (
     ABSORB_MAX_QUERY,
@@ -41,7 +42,6 @@ from .layers_kda_hybrid import (
     KDALayerInputs,
     packed_cu_seqlens,
 )
-from .model_card_kda_hybrid import write_model_card
 
 logger = logging.get_logger(__name__)
 
@@ -104,17 +104,11 @@ class KDAHybridPreTrainedModel(PreTrainedModel):
     _keep_in_fp32_modules_strict = ["A_log", "dt_bias", "e_score_correction_bias", "gate.weight"]
 
     def save_pretrained(self, save_directory, is_main_process=True, **kwargs):
-        if self.is_remote_code():  # auto_map for both Auto classes, whichever class is saved
-            module = type(self).__module__.rsplit(".", 1)[-1]
-            self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}),
-                                    "AutoModel": f"{module}.KDAHybridModel",
-                                    "AutoModelForCausalLM": f"{module}.KDAHybridForCausalLM",
-                                    "AutoModelForSequenceClassification":
-                                        f"{module}.KDAHybridForSequenceClassification",
-                                    "AutoModelForTokenClassification": f"{module}.KDAHybridForTokenClassification"}
-        super().save_pretrained(save_directory, is_main_process=is_main_process, **kwargs)
+        # auto_map for every Auto class, the code files and the model card, as the converter writes them; first, so
+        # that the config.json transformers writes carries the whole auto_map (a card the user wrote is kept)
         if is_main_process:
-            write_model_card(self.config, save_directory)  # README.md; a card the user wrote is kept
+            write_checkpoint_metadata(self.config, save_directory, save_config=False, code=self.is_remote_code())
+        super().save_pretrained(save_directory, is_main_process=is_main_process, **kwargs)
 
     def resize_token_embeddings(self, new_num_tokens=None, pad_to_multiple_of=None, mean_resizing=True):
         """transformers' resize, refused before any change when the new vocabulary would leave out one of the

@@ -38,6 +38,12 @@ def _l2norm_factor(x, scale=1.0, eps=L2NORM_EPS):
     return f if scale == 1.0 else f.mul(scale)
 
 
+def records_autograd(*xs) -> bool:
+    """Whether autograd records a call on `xs`: grad mode on and a tensor among them requiring grad (None and
+    non-tensors are skipped). The one test every op uses to choose between its in-place and differentiable paths."""
+    return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in xs)
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of the recurrence and the state: float64 for float64 inputs, else float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -161,13 +167,22 @@ def _recurrent_inplace(q, k, v, g, beta, state):
 
 @torch.no_grad()
 def recurrent_step_(q, k, v, g, beta, state, scale, use_qk_l2norm_in_kernel=False):
-    """The model's decode step: `_step_` from raw inputs, without the [B, T, ...] preparation of the op.
+    """One token per sequence from raw inputs, without the [B, T, ...] preparation of the op (what
+    kda_ops.recurrent_step runs on CPU).
 
     q, k [B, H, K], v [B, H, V], g [B, H, K] (log decay), beta [B, H] in any float dtype; state [B, H, K, V]
-    contiguous, in the compute dtype (fp32, or float64), updated in place. Returns o [B, H, V] in v's dtype."""
+    contiguous, in the compute dtype (fp32, or float64), updated in place. Returns o [B, H, V] in v's dtype.
+    q and k are normalised by one norm over both stacked (one op chain instead of two)."""
     out_dtype, dtype = v.dtype, state.dtype
-    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
-    q, k = (l2norm(q, scale=scale), l2norm(k)) if use_qk_l2norm_in_kernel else (q * scale, k)
+    if use_qk_l2norm_in_kernel:
+        qk = torch.stack((q, k), 1).to(dtype)  # [B, 2, H, K]
+        factor = _l2norm_factor(qk)
+        factor[:, 0].mul_(scale)
+        qk = qk * factor
+        q, k = qk[:, 0], qk[:, 1]
+    else:
+        q, k = q.to(dtype) * scale, k.to(dtype)
+    v, g, beta = (x.to(dtype) for x in (v, g, beta))
     return _step_(q, k, v, g, beta, state).to(out_dtype)
 
 
@@ -177,10 +192,7 @@ def fused_recurrent_kda_torch(
 ):
     """Recurrent KDA for short T (decode). With `inplace_final_state` and an fp32 initial_state, the
     state tensor itself is updated and returned (no allocation per step) when no gradient is needed."""
-    needs_grad = torch.is_grad_enabled() and any(
-        x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state)
-    )
-    if needs_grad:
+    if records_autograd(q, k, v, g, beta, initial_state):
         return recurrent_kda_reference(
             q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens
         )
@@ -295,7 +307,7 @@ def _unit_lower_inverse(A):
     upper triangle may hold overflowed products). The diagonal blocks of INVERSE_BLOCK are solved in one batched
     call, then merged pairwise, [[P, 0], [L, Q]]^-1 = [[P^-1, 0], [-Q^-1 L P^-1, Q^-1]]: two small matmuls per
     merge instead of a long triangular solve. At C = 64 on one CPU thread (M = 32 chunks x heads) this took
-    0.34-0.45 ms against 0.62 ms for one solve_triangular of the whole matrix (min of 30, /tmp A/B). The blocks are
+    0.34-0.45 ms against 0.62 ms for one solve_triangular of the whole matrix (min of 30, interleaved). The blocks are
     written into one zeroed [M, C, C] result through strided views of its diagonal and lower-left blocks, not
     assembled with torch.cat: at C = 32, M = 64 the three cats of [M, C, C] had cost about as much as the solve."""
     A = A.contiguous()
@@ -592,12 +604,12 @@ def _chunk_fwd_grouped(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, state, 
     the final state. Every group is batched over its chunks and heads; the grouping only keeps the working set
     (about 20 tensors of GROUP_TOKENS x H x 128 fp32) in cache: at T=4096, H=4, K=V=128 on one CPU thread,
     groups of 512 tokens took 118 ms (median; 75 ms best) against 181 ms (136 ms) for all 64 chunks at once,
-    256 and 1024 about as well as 512 (measured interleaved in one process, /tmp-style A/B, loaded machine; again
+    256 and 1024 about as well as 512 (measured interleaved in one process, loaded machine; again
     with the anchored form: 128 to 1024 within noise of each other, 58-64 ms best).
     `chunk_states` (a list) receives the state entering every chunk, [B, H, N_group, K, V] a group."""
     B, T, H, _ = q.shape
     V, C = v.shape[-1], chunk_size
-    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, g, beta, state))
+    grad = records_autograd(q, k, v, g, beta, state)
     T_pad = T + (-T % C)
     out = None if grad else v.new_empty(B, T_pad, H, V, dtype=state.dtype)
     outs, t0 = [], 0

@@ -1,8 +1,9 @@
-"""Triton kernels for the Kimi Delta Attention chunked backward (the forward, its stages and the autograd
-Function are in `kda_triton`; the stages' PyTorch twins in `kda_stages`, docs/architecture.md §1, §9).
+"""Triton kernels for the Kimi Delta Attention chunked backward (the forward kernels and their launchers are in
+`kda_triton_fwd`, the autograd Function in `kda_triton`, the stages' PyTorch twins in `kda_triton_twins`;
+docs/architecture.md §1, §9).
 
 `ChunkKDAFunction` saves G, A_qk, Ai = (I + A_kk)^-1, w, u from the forward; the backward is four stages:
-  4. state scan (forward, rerun)  `kda_triton._state_scan_fwd`: the states entering every chunk and v_new
+  4. state scan (forward, rerun)  `kda_triton_fwd._state_scan_fwd`: the states entering every chunk and v_new
   6. reverse state scan           `_state_scan_bwd`: dh (gradient of each chunk's outgoing state), dv_new,
                                   dh0; the final-state gradient dht seeds it
   7. chunk gradients              `_chunk_bwd`: dv; dq, dk, dbeta, dG through S, w, u, Ai, exp(G); dA_qk, dA_kk
@@ -21,7 +22,7 @@ try:  # inside try: transformers' remote-code import check skips try blocks, so 
 except ImportError as err:
     raise ImportError("kda_hybrid.kda_triton_bwd needs the triton package (GPU kernels)") from err
 
-from .kda_triton import (
+from .kda_triton_fwd import (
     CHUNK_BWD_BV,
     CHUNK_BWD_NUM_STAGES,
     CHUNK_BWD_NUM_WARPS,
@@ -46,6 +47,7 @@ from .kda_triton import (
 # --------------------------------------------------------------------------------------------------
 
 
+@_LazyKernel
 def _kda_state_bwd_kernel(
     q, k, w, G, Aqk, do, dht, dh0, dh, dv_new, cu_seqlens, chunk_offsets, scale,
     H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -100,6 +102,7 @@ def _kda_state_bwd_kernel(
         tl.store(dh0 + (i_n * HV + i_h) * K * V + o_kv, b_dh, mask=m_kv)
 
 
+@_LazyKernel
 def _kda_chunk_bwd_kernel(
     q, k, v, G, beta, h, dh, v_new, dv_new, w, u, Ai, do, dq, dk, dv, dbeta, dG, dAqk, dAkk,
     cu_seqlens, chunk_indices, scale,
@@ -186,6 +189,7 @@ def _kda_chunk_bwd_kernel(
     tl.store(dAkk + o_tA, b_dAk, mask=m_t[:, None])
 
 
+@_LazyKernel
 def _kda_intra_bwd_kernel(
     q, k, g, G, beta, dAqk, dAkk, dq, dk, dbeta, dG, cu_seqlens, chunk_indices, scale,
     H, HV, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -293,13 +297,8 @@ def _kda_intra_bwd_kernel(
         tl.store(dG + o_rk, b_dg, mask=m_rk)
 
 
-_kda_state_bwd_kernel = _LazyKernel(_kda_state_bwd_kernel)
-_kda_chunk_bwd_kernel = _LazyKernel(_kda_chunk_bwd_kernel)
-_kda_intra_bwd_kernel = _LazyKernel(_kda_intra_bwd_kernel)
-
-
 # --------------------------------------------------------------------------------------------------
-# Launchers: one per kernel (twins: kda_stages.<stage>_ref, same signatures), then the whole backward.
+# Launchers: one per kernel (twins: kda_triton_twins.<stage>_ref, same signatures), then the whole backward.
 # --------------------------------------------------------------------------------------------------
 
 

@@ -3,8 +3,6 @@ write output shards as they fill into a staging folder, and publish it atomicall
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
 import logging
 import shutil
@@ -15,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint_kda_hybrid import CARRIED_MODULES, write_checkpoint_metadata
 from .checkpoint import FolderSource, Header, MemorySink, MemorySource, ShardWriter, Source, name_list, parse_size
 from .configs import (
     KDA_HYBRID,
@@ -243,7 +242,7 @@ def convert(src, dst, *, source: str | None = None, target: str = KDA_HYBRID, dt
         execute(plan, reader, writer, progress=progress)
         writer.close()
         if target == KDA_HYBRID:
-            _save_kda_hybrid_config(config, folder, code)
+            write_checkpoint_metadata(config, folder)
         else:
             (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
@@ -302,7 +301,7 @@ def _convert_attention(src: Path, dst: Path, dst_real: Path, raw: dict, reader: 
         writer = ShardWriter(folder, max_bytes)
         stream(config, raw, reader, _CastingSink(writer, cast), init=kda_init, progress=progress)
         writer.close()
-        _save_kda_hybrid_config(config, folder, code)
+        write_checkpoint_metadata(config, folder)
 
     tensor_bytes = sum(_numel(shape) * 4 for shape in shapes.values()) + 512 * len(shapes) + 2**20  # fp32 bound
     manifest = {"source": src.name, "source_format": raw["model_type"], "target": KDA_HYBRID,
@@ -344,30 +343,10 @@ def _main_dtype(plan: Plan) -> torch.dtype:
 
 
 def _code_files() -> list[Path]:
-    """The flat model code files our output carries (the modeling module and everything it imports)."""
-    if importlib.util.find_spec("kda_hybrid.modeling_kda_hybrid") is None:
-        return []
-    from transformers.dynamic_module_utils import get_relative_import_files
-
-    modeling = importlib.import_module("kda_hybrid.modeling_kda_hybrid")
-    return [Path(f) for f in [modeling.__file__, *get_relative_import_files(modeling.__file__)]]
-
-
-def _save_kda_hybrid_config(config, folder: Path, code: list[Path]) -> None:
-    """config.json plus the flat model code files, so the folder loads with trust_remote_code=True."""
-    if not code:
-        logger.warning("kda_hybrid.modeling_kda_hybrid not found: writing config.json without model code")
-        config.save_pretrained(folder)
-        return
-    for file in code:
-        shutil.copyfile(file, folder / file.name)
-    auto_map = {"AutoConfig": "configuration_kda_hybrid.KDAHybridConfig",
-                "AutoModelForCausalLM": "modeling_kda_hybrid.KDAHybridForCausalLM"}
-    modeling = importlib.import_module("kda_hybrid.modeling_kda_hybrid")
-    if hasattr(modeling, "KDAHybridModel"):
-        auto_map["AutoModel"] = "modeling_kda_hybrid.KDAHybridModel"
-    config.auto_map = auto_map
-    config.save_pretrained(folder)
+    """The flat model code files our output carries (for the free-space estimate; write_checkpoint_metadata
+    writes them)."""
+    package = Path(__file__).resolve().parents[1]
+    return [package / name for name in CARRIED_MODULES]
 
 
 def _files_to_carry(src: Path, *, same_format: bool) -> list[Path]:

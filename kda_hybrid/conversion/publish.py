@@ -21,6 +21,7 @@ import secrets
 import shutil
 from pathlib import Path
 
+from ..checkpoint_kda_hybrid import format_bytes
 from .layout import ConversionError
 
 # Written into every output (and every staging folder from its first instant): marks a folder this tool owns.
@@ -117,8 +118,9 @@ def check_free_space(dst: Path, needed: int) -> None:
         where = where.parent
     free = shutil.disk_usage(where).free
     if free < needed:
-        raise ConversionError(f"{dst}: not enough free space: the output needs {needed:,} bytes ({_human(needed)}), "
-                              f"{where} has {free:,} bytes ({_human(free)}) free")
+        raise ConversionError(f"{dst}: not enough free space: the output needs {needed:,} bytes "
+                              f"({format_bytes(needed)}), "
+                              f"{where} has {free:,} bytes ({format_bytes(free)}) free")
 
 
 def is_out_of_space(err: BaseException) -> bool:
@@ -126,14 +128,6 @@ def is_out_of_space(err: BaseException) -> bool:
         return True
     # safetensors raises its own SafetensorError carrying the OS message
     return any(text in str(err) for text in ("No space left on device", "Disk quota exceeded"))
-
-
-def _human(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    raise AssertionError
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -218,7 +212,7 @@ def recover(dst: Path) -> list[str]:
                 continue
             size = _size(path)
             _remove(path)
-            done.append(f"removed {path.name} ({_human(size)}), left by a killed run")
+            done.append(f"removed {path.name} ({format_bytes(size)}), left by a killed run")
         finally:
             os.close(fd)
     return done

@@ -1,9 +1,13 @@
-"""The README.md model card written beside a KDA hybrid checkpoint: Hub metadata, architecture table, inference
-memory, how to load.
+"""What a KDA hybrid checkpoint folder holds besides its weights: the config's `auto_map` (every Auto class), the
+flat modeling modules `trust_remote_code` runs, and the README.md model card (Hub metadata, architecture table,
+inference memory, how to load). `write_checkpoint_metadata` is the one writer: `save_pretrained`, the converter
+and scripts/refresh_checkpoint_code.py all call it, so their folders load alike.
 
-This module is carried flat into checkpoints with the modeling code, so it imports only the standard library.
+    write_checkpoint_metadata(config, folder)  # auto_map + config.json + code files + model card
+    write_model_card(config, save_directory)   # README.md only, unless a card the user wrote is already there
 
-    write_model_card(config, save_directory)   # README.md, unless a card the user wrote is already there
+This module is carried flat into checkpoints with the modeling code, so it imports only the standard library and
+its sibling modules.
 
 A card this module wrote carries `GENERATED_MARKER`; such a card (and the placeholder card that transformers'
 `push_to_hub` saves) is regenerated on the next save, keeping any extra tags. Delete the marker line to keep
@@ -14,6 +18,9 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+
+from .cache_layers_kda_hybrid import kda_state_shapes, kv_shapes
 
 GENERATED_MARKER = "<!-- kda-hybrid: generated model card; delete this line to keep your edits on the next save -->"
 DEFAULT_LICENSE = "mit"
@@ -23,8 +30,16 @@ _PLACEHOLDER_SIGNS = (
     "This model card has been automatically generated",
     "<!-- Provide a quick summary of what the model is/does. -->",
 )
+# the class each Auto class loads from a checkpoint folder (module.class, modules flat in the folder)
+AUTO_MAP = {
+    "AutoConfig": "configuration_kda_hybrid.KDAHybridConfig",
+    "AutoModel": "modeling_kda_hybrid.KDAHybridModel",
+    "AutoModelForCausalLM": "modeling_kda_hybrid.KDAHybridForCausalLM",
+    "AutoModelForSequenceClassification": "modeling_kda_hybrid.KDAHybridForSequenceClassification",
+    "AutoModelForTokenClassification": "modeling_kda_hybrid.KDAHybridForTokenClassification",
+}
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float64": 8, "double": 8}
-def _carried_modules(entry: str = "modeling_kda_hybrid.py") -> tuple[str, ...]:
+def carried_modules(entry: str = "modeling_kda_hybrid.py") -> tuple[str, ...]:
     """The modules a checkpoint carries: the modeling file and every sibling it imports with `from .x import`,
     recursively (what save_pretrained copies), read from this module's folder so the list never goes stale."""
     here = os.path.dirname(os.path.abspath(__file__))
@@ -39,7 +54,7 @@ def _carried_modules(entry: str = "modeling_kda_hybrid.py") -> tuple[str, ...]:
     return tuple(sorted(found))
 
 
-_FLAT_MODULES = _carried_modules()
+CARRIED_MODULES = carried_modules()
 
 
 def _dtype_name(dtype) -> str:
@@ -62,13 +77,9 @@ def cache_bytes(config, dtype=None) -> dict:
     width = _DTYPE_BYTES[name]
     n_attention = sum(t == "full_attention" for t in config.layer_types)
     n_kda = len(config.layer_types) - n_attention
-    if config.attention_type == "mla":
-        kv_values = config.kv_lora_rank + config.qk_rope_head_dim
-    else:
-        kv_values = 2 * config.num_key_value_heads * config.head_dim
-    H, K = config.linear_num_heads, config.linear_head_dim
-    V = K  # KDA layers here use one head dim for keys and values
-    kda_layer = H * K * V * 4 + 3 * (config.linear_conv_kernel_size - 1) * H * K * width
+    kv_values = sum(heads * dim for heads, dim in kv_shapes(config))  # the shapes the cache allocates
+    (conv_channels, conv_width), (H, K, V) = kda_state_shapes(config)
+    kda_layer = H * K * V * 4 + 3 * conv_channels * conv_width * width
     return {
         "dtype": name,
         "kv_per_token": n_attention * kv_values * width,
@@ -80,9 +91,10 @@ def cache_bytes(config, dtype=None) -> dict:
     }
 
 
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
+def format_bytes(n: int) -> str:
+    """'512 B', '1.5 KiB', '3.2 GiB': the one size format of the package (model cards, the converter, examples)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
             return f"{n:,} B" if unit == "B" else f"{n:,.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
@@ -155,7 +167,7 @@ def model_card(config, *, license: str = DEFAULT_LICENSE, model_id: str | None =
     rows = "\n".join(f"| {k} | {v} |" for k, v in _architecture_rows(config))
     per_token, fixed = memory["kv_per_token"], memory["kda_state"]
     lengths = (4096, 32768, 131072)
-    at_length = ", ".join(f"{n // 1024}K tokens: {_human(fixed + per_token * n)}" for n in lengths)
+    at_length = ", ".join(f"{n // 1024}K tokens: {format_bytes(fixed + per_token * n)}" for n in lengths)
     all_attention = memory["kv_per_token_per_layer"] * len(config.layer_types)
     kv_split = f"{memory['attention_layers']} layers x {memory['kv_per_token_per_layer']:,}"
     kda_split = f"{memory['kda_layers']} layers x {memory['kda_state_per_layer']:,}"
@@ -198,9 +210,10 @@ inputs = tokenizer("The capital of France is", return_tensors="pt")
 print(tokenizer.decode(model.generate(**inputs, max_new_tokens=20)[0]))
 ```
 
-`trust_remote_code=True` runs the modeling code stored in this repository ({", ".join(f"`{m}`" for m in _FLAT_MODULES)};
-flat modules, no package to install). Triton is optional: GPU tensors use the Triton KDA kernels when `triton`
-imports, everything else (and every CPU tensor) takes the PyTorch path. `pipeline("text-generation", model=repo,
+`trust_remote_code=True` runs the modeling code stored in this repository
+({", ".join(f"`{m}`" for m in CARRIED_MODULES)}; flat modules, no package to install). Triton is optional:
+GPU tensors use the Triton KDA kernels when `triton` imports, everything else (and every CPU tensor) takes the
+PyTorch path. `pipeline("text-generation", model=repo,
 trust_remote_code=True)` works as well.
 """
 
@@ -240,4 +253,36 @@ def write_model_card(config, save_directory, *, overwrite: bool = False, **kwarg
     return path
 
 
-__all__ = ["cache_bytes", "model_card", "write_model_card"]
+def write_checkpoint_metadata(config, folder, *, save_config: bool = True, model_id: str | None = None,
+                              code: bool = True) -> list[str]:
+    """Make `folder` a checkpoint that loads with `trust_remote_code=True` through every Auto class: set
+    `config.auto_map` to AUTO_MAP (other entries kept), write config.json (unless `save_config=False`, for
+    save_pretrained, which writes it itself after this), copy the carried modules as real files (a symlink in
+    their place is replaced, never written through) and write the model card (a card the user wrote is kept).
+    `code=False`: config and card only (a model class that is not this package's). Returns the names of the
+    modules that changed."""
+    folder = os.fspath(folder)
+    os.makedirs(folder, exist_ok=True)
+    changed = []
+    if code:
+        config.auto_map = {**(getattr(config, "auto_map", None) or {}), **AUTO_MAP}
+        here = os.path.dirname(os.path.abspath(__file__))
+        for name in CARRIED_MODULES:
+            src, dst = os.path.join(here, name), os.path.join(folder, name)
+            with open(src, "rb") as f:
+                data = f.read()
+            if not os.path.islink(dst) and os.path.isfile(dst):
+                with open(dst, "rb") as f:
+                    if f.read() == data:
+                        continue
+            if os.path.lexists(dst):
+                os.unlink(dst)
+            shutil.copyfile(src, dst)
+            changed.append(name)
+    if save_config:
+        config.save_pretrained(folder)
+    write_model_card(config, folder, model_id=model_id)
+    return changed
+
+
+__all__ = ["AUTO_MAP", "cache_bytes", "format_bytes", "model_card", "write_checkpoint_metadata", "write_model_card"]

@@ -1,7 +1,7 @@
 """Packed-document training pieces that examples/train.py, examples/prepare_data.py, the benchmarks and the tests
 share: the token stream cut into rows, the packed loss, validation over processes, and the byte-level BPE builder.
 
-    from kda_hybrid.training import load_tokens, loss_sum, make_batch, num_rows, rows_for_step, target_count
+    from kda_hybrid.train.data import load_tokens, loss_sum, make_batch, num_rows, rows_for_step, target_count
 
     tokens = load_tokens("data/stdlib/train.bin")                  # uint16 stream: <|bos|> text <|eos|> ...
     batch = make_batch(tokens, rows_for_step(0, 4, num_rows(tokens, 512), seed=0), 512, bos_id=1)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from .training import evaluate, load_tokens, loss_sum, make_batch, num_rows, rows_for_step, target_count
+from .data import evaluate, load_tokens, loss_sum, make_batch, num_rows, rows_for_step, target_count
 
 
 def lr_at(step: int, args) -> float:

@@ -5,7 +5,7 @@ A one-shot forward holds every layer's activations for the whole prompt at once 
 set by the chunk; what still grows with the prompt is the cache, and in a KDA hybrid only its full-attention
 layers grow (docs/architecture.md §2-§3): the KDA layers' state is a fixed [B, H, K, V] per layer.
 
-    from kda_hybrid.long_context import prefill
+    from kda_hybrid.inference.long_context import prefill
 
     last_logits, cache = prefill(model, input_ids, chunk_size=4096)   # any prompt length
     next_token = last_logits.argmax(-1)                                 # [B]

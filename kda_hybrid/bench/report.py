@@ -1,7 +1,7 @@
 """What every script in benchmarks/ shares: one command line (--threads, --repeats, --out), one output convention,
 and the twins they measure against.
 
-    from kda_hybrid.benchmarking import Report, benchmark_parser
+    from kda_hybrid.bench.report import Report, benchmark_parser
 
     args = benchmark_parser(__doc__, repeats=5).parse_args()     # --threads (default 1), --repeats, --out
     report = Report(args)                                        # sets torch's thread count, notes the environment
@@ -170,49 +170,4 @@ class Report:
         return self.out
 
 
-# ------------------------------------------------------------------------------------------------------
-# transformers' native Kimi Linear with our weights (fla blocked, so its PyTorch fallbacks run on CPU)
-# ------------------------------------------------------------------------------------------------------
-
-
-class _BlockFla(importlib.abc.MetaPathFinder):
-    """With fla installed, transformers' kimi_linear binds Triton kernels that crash on CPU tensors; blocking the
-    import makes it take its PyTorch fallbacks (our model never needs fla)."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("fla", "causal_conv1d"):
-            raise ImportError(f"{name} blocked for the native CPU fallback")
-        return None
-
-
-def block_fla() -> None:
-    """Make `fla` and `causal_conv1d` unimportable in this process, from now on. Raises RuntimeError when it is
-    too late: transformers' kimi_linear modeling (or fla itself) is already imported."""
-    if any(isinstance(f, _BlockFla) for f in sys.meta_path):
-        return
-    late = [m for m in ("fla", "causal_conv1d", "transformers.models.kimi_linear.modeling_kimi_linear")
-            if m in sys.modules]
-    if late:
-        raise RuntimeError(f"block_fla() must run before {late} are imported")
-    sys.meta_path.insert(0, _BlockFla())
-
-
-def native_twin(ours):
-    """transformers' native `KimiLinearForCausalLM` with the weights of `ours` (a KDAHybridForCausalLM), in eval
-    mode, fp32, fla blocked (see block_fla), loaded from a temporary folder in the original Kimi names."""
-    import tempfile
-
-    from safetensors.torch import save_file
-
-    block_fla()
-    from transformers import KimiLinearForCausalLM
-
-    with tempfile.TemporaryDirectory() as d:
-        Path(d, "config.json").write_text(json.dumps(ours.config.to_kimi_linear_dict()))
-        save_file({k: v.contiguous() for k, v in ours.state_dict().items()}, f"{d}/model.safetensors",
-                  metadata={"format": "pt"})
-        native = KimiLinearForCausalLM.from_pretrained(d, dtype=torch.float32)
-    return native.eval()
-
-
-__all__ = ["Report", "benchmark_parser", "block_fla", "environment", "environment_lines", "native_twin"]
+__all__ = ["Report", "benchmark_parser", "environment", "environment_lines"]

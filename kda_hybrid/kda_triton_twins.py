@@ -1,7 +1,7 @@
 """Plain-PyTorch twins of the Triton KDA pipeline's stages, one per kernel launcher, same signatures and
 outputs (docs/architecture.md §1, §9):
 
-    Triton launcher (kda_triton / kda_triton_bwd)   twin here
+    Triton launcher (kda_triton_fwd / _bwd)        twin here
     _gate_cumsum_fwd(g, layout)                     gate_cumsum_ref
     _gated_products_fwd(q, k, G, beta, scale, ly)   gated_products_ref
     _wy_solve_fwd(k, v, G, beta, Akk, ly)           wy_solve_ref
@@ -12,7 +12,7 @@ outputs (docs/architecture.md §1, §9):
     _gated_products_bwd(q, k, g, G, beta, ...)      gated_products_bwd_ref (functional: returns new tensors,
                                                     where the launcher updates dq, dk, dbeta, dG in place)
 
-Each twin loops over the chunks of `layout` (a kda_triton.ChunkLayout: cu_seqlens [N + 1], chunk_indices
+Each twin loops over the chunks of `layout` (a kda_triton_fwd.ChunkLayout: cu_seqlens [N + 1], chunk_indices
 [NC, 2] = (sequence, chunk), ...; its dot_precision is ignored, the twins are fp32) in Python and computes
 one chunk (all value heads at once) the direct way: exp(G_r - G_c) from the exact differences (no
 anchoring), inverses with torch.linalg, gradients of the gated products by autograd. Slow and simple on
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-GATE_FLOOR = -110.0  # as kda_triton.GATE_FLOOR_VALUE: exp(-110) = 0 in fp32, a g = -inf reset stays finite
+GATE_FLOOR = -110.0  # as kda_triton_fwd.GATE_FLOOR_VALUE: exp(-110) = 0 in fp32, a g = -inf reset stays finite
 
 
 def _chunks(layout):

@@ -1,6 +1,6 @@
 """Model shapes the benchmarks, examples and docs share (docs/architecture.md §7).
 
-    from kda_hybrid.shapes import llama_twin_6p5m, tiny_6p5m
+    from kda_hybrid.bench.shapes import llama_twin_6p5m, tiny_6p5m
 
     ours = KDAHybridForCausalLM(tiny_6p5m())
     llama = LlamaForCausalLM(llama_twin_6p5m())   # the same-size all-attention baseline
@@ -10,7 +10,7 @@ Not a module a checkpoint carries: nothing in the modeling code imports it.
 
 from __future__ import annotations
 
-from .configuration_kda_hybrid import KDAHybridConfig
+from ..configuration_kda_hybrid import KDAHybridConfig
 
 TINY_6P5M = dict(
     vocab_size=1536, hidden_size=256, intermediate_size=512, num_hidden_layers=8,

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import kda_hybrid.layers_kda_hybrid as layers
 from kda_hybrid import KDAHybridCache
 from kda_hybrid.inference.long_context import prefill
 
@@ -202,11 +201,6 @@ def probe():
     return results
 
 
-@pytest.mark.xfail(
-    not hasattr(layers, "continuation_attention"), strict=True,
-    reason="until the MLA layer attends to a cache without a mask, transformers' [B, 1, chunk, context] mask (and "
-           "SDPA's float copy of it, 5 bytes per query x key) grows with context",
-)
 def test_chunked_prefill_memory_grows_only_with_the_attention_cache(probe):
     """Prompts of 2K and 6K tokens in chunks of 1024 through a 3 KDA + 1 MLA model (hidden 128). The peak's growth
     from 2K to 6K may only come from context-sized attention tensors: the MLA cache (buffers of up to 2x the tokens,

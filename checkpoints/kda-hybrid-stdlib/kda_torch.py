@@ -165,25 +165,23 @@ def _recurrent_inplace(q, k, v, g, beta, state):
     return o
 
 
-@torch.no_grad()
 def recurrent_step_(q, k, v, g, beta, state, scale, use_qk_l2norm_in_kernel=False):
     """One token per sequence from raw inputs, without the [B, T, ...] preparation of the op (what
     kda_ops.recurrent_step runs on CPU).
 
     q, k [B, H, K], v [B, H, V], g [B, H, K] (log decay), beta [B, H] in any float dtype; state [B, H, K, V]
-    contiguous, in the compute dtype (fp32, or float64), updated in place. Returns o [B, H, V] in v's dtype.
-    q and k are normalised by one norm over both stacked (one op chain instead of two)."""
+    contiguous, in the compute dtype (fp32, or float64), updated in place. Returns o [B, H, V] in v's dtype. Not
+    differentiable: callers make sure autograd records nothing here (no no_grad context per token: entering one
+    costs as much as two of the step's ops). Casts only what is not in the state's dtype already (each no-op
+    call costs a decode step microseconds)."""
     out_dtype, dtype = v.dtype, state.dtype
-    if use_qk_l2norm_in_kernel:
-        qk = torch.stack((q, k), 1).to(dtype)  # [B, 2, H, K]
-        factor = _l2norm_factor(qk)
-        factor[:, 0].mul_(scale)
-        qk = qk * factor
-        q, k = qk[:, 0], qk[:, 1]
+    q, k, v, g, beta = (x if x.dtype == dtype else x.to(dtype) for x in (q, k, v, g, beta))
+    if use_qk_l2norm_in_kernel:  # the scale folded into q's factor: one multiply per tensor
+        q, k = q * _l2norm_factor(q, scale), k * _l2norm_factor(k)
     else:
-        q, k = q.to(dtype) * scale, k.to(dtype)
-    v, g, beta = (x.to(dtype) for x in (v, g, beta))
-    return _step_(q, k, v, g, beta, state).to(out_dtype)
+        q = q * scale
+    o = _step_(q, k, v, g, beta, state)
+    return o if o.dtype == out_dtype else o.to(out_dtype)
 
 
 def fused_recurrent_kda_torch(

@@ -66,12 +66,13 @@ def kda_gate(g, A_log=None, dt_bias=None, lower_bound=None):
 
     dt_bias [HV * K] is optional. Computed in the recurrence's dtype; differentiable in g, A_log and dt_bias."""
     HV, K = g.shape[-2:]
-    x = g.to(compute_dtype(g.dtype))
+    dtype = compute_dtype(g.dtype)
+    x = g if g.dtype == dtype else g.to(dtype)  # no no-op casts: the gate runs per layer per decode token
     if dt_bias is not None:
-        x = x + dt_bias.to(x.dtype).view(HV, K)
-    a = None if A_log is None else A_log.to(x.dtype).view(HV, 1).exp()
+        x = x + (dt_bias if dt_bias.dtype == dtype else dt_bias.to(dtype)).view(HV, K)
+    a = None if A_log is None else (A_log if A_log.dtype == dtype else A_log.to(dtype)).view(HV, 1).exp()
     if lower_bound is None:
-        return -a * F.softplus(x)
+        return F.softplus(x) * a.neg()
     return lower_bound * torch.sigmoid(x if a is None else a * x)
 
 

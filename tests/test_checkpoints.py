@@ -65,8 +65,6 @@ def test_shipped_checkpoint_code_is_the_package_code(name):
     fix = f"run: python scripts/refresh_checkpoint_code.py {folder.relative_to(REPO)}"
     assert not links, f"links dangle after a plain copy: {links}; {fix}"
     assert not stale, f"differ from the package's modules: {stale}; {fix}"
-
-
     readme = (folder / "README.md").read_text()
     unnamed = [m for m in carried_modules() if f"`{m}`" not in readme]
     assert not unnamed, f"the model card does not name the carried modules {unnamed}"
@@ -157,8 +155,10 @@ def test_carried_modules_import_no_circle_and_the_model_no_private_names():
 
 
 @pytest.mark.parametrize("name", ["kda-hybrid-stdlib", "kda-hybrid-stdlib-distilled"])
-def test_every_checkpoint_folder_loads(name):
-    """Everything under checkpoints/ is a checkpoint: a config, weights and the code its auto_map names."""
+def test_every_folder_under_checkpoints_is_a_checkpoint(name):
+    """Everything under checkpoints/ is a checkpoint: weights and an auto_map naming every Auto class (that each
+    loads and computes is test_shipped_checkpoint_generates_python; that its code is the package's,
+    test_shipped_checkpoint_code_is_the_package_code)."""
     folder = REPO / "checkpoints" / name
     assert (folder / "model.safetensors").is_file()
     auto_map = json.loads((folder / "config.json").read_text())["auto_map"]

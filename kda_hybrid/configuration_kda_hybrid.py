@@ -1,10 +1,13 @@
-"""Configuration of KDA hybrid models (the Kimi Linear architecture): KDA layers with a few full-attention
-layers, dense or DeepSeek-V3-style MoE MLPs. The one reader and writer of Kimi-Linear config.json files: it takes
-an original one as is (and transformers-native key names), and `to_kimi_linear_dict()` writes one back."""
+"""Configuration of KDA hybrid models (the Kimi Linear and Kimi K3 architectures): KDA layers with a few
+full-attention layers, dense or DeepSeek-V3-style MoE MLPs, and K3's switches (bounded decay gate, full-rank output
+gates, SiTU-GLU, latent MoE, MXFP4 experts, Block Attention Residuals). The one reader and writer of Kimi-Linear and
+Kimi-K3 config.json files: it takes an original one as is (and transformers-native key names), and
+`to_kimi_linear_dict()` / `to_kimi_k3_dict()` write one back."""
 
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 
 from transformers import PretrainedConfig
@@ -29,9 +32,9 @@ ALIASES = {
 # Keys of a Kimi-Linear config.json (or transformers-native one) with no field of their own: checked, then
 # dropped. Anything they could change is either the only value this model implements or refused.
 KIMI_ONLY_KEYS = (
-    "linear_attn_config", "mlp_layer_types", "moe_router_activation_func", "mla_use_nope", "mla_use_output_gate",
-    "moe_layer_freq", "use_grouped_topk", "num_expert_group", "n_group", "topk_group", "num_nextn_predict_layers",
-    "topk_method", "model_type",
+    "linear_attn_config", "mlp_layer_types", "moe_router_activation_func", "mla_use_nope", "moe_layer_freq",
+    "use_grouped_topk", "num_expert_group", "n_group", "topk_group", "num_nextn_predict_layers", "topk_method",
+    "model_type",
 )
 # An original config.json (with linear_attn_config) means what Moonshot's configuration_kimi.py makes of it:
 # keys that decide tensor shapes must be present (its defaults are None or another model's), the rest default
@@ -44,6 +47,82 @@ _KIMI_DEFAULTS = {
     "moe_renormalize": True, "q_lora_rank": None, "num_experts": None, "tie_word_embeddings": False,
     "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "mla_use_nope": False,
 }
+
+# K3 keys of linear_attn_config, read into our fields
+_KIMI_LAC_FIELDS = {"use_full_rank_gate": "use_full_rank_gate", "gate_lower_bound": "gate_lower_bound"}
+_LAC_KEYS = {"kda_layers", "full_attn_layers", "head_dim", "num_heads", "short_conv_kernel_size", *_KIMI_LAC_FIELDS}
+# Keys an original config.json carries that describe no architecture: transformers' (4.x and 5.x) generic
+# PretrainedConfig attributes and generation defaults as serialised by Moonshot's files. An original config with a key
+# that is neither one of these nor read by this class is refused, naming it: a K3 switch this class did not know would
+# otherwise be stored as an attribute and silently ignored by the model.
+GENERIC_KEYS = frozenset((
+    "_name_or_path", "architectures", "auto_map", "model_type", "transformers_version", "dtype", "torch_dtype",
+    "add_cross_attention", "bad_words_ids", "begin_suppress_tokens", "chunk_size_feed_forward",
+    "cross_attention_hidden_size", "decoder_start_token_id", "diversity_penalty", "do_sample", "early_stopping",
+    "encoder_no_repeat_ngram_size", "exponential_decay_length_penalty", "finetuning_task", "forced_bos_token_id",
+    "forced_eos_token_id", "id2label", "label2id", "is_decoder", "is_encoder_decoder", "length_penalty", "max_length",
+    "min_length", "no_repeat_ngram_size", "num_beam_groups", "num_beams", "num_return_sequences", "output_attentions",
+    "output_hidden_states", "output_scores", "prefix", "problem_type", "pruned_heads", "remove_invalid_values",
+    "repetition_penalty", "return_dict", "return_dict_in_generate", "sep_token_id", "suppress_tokens",
+    "task_specific_params", "temperature", "tf_legacy_loss", "tie_encoder_decoder", "tokenizer_class", "top_k",
+    "top_p", "torchscript", "typical_p", "use_bfloat16", "use_cache",
+))
+# Kimi K3's root config.json (model_type "kimi_k3"): the text backbone is its text_config; these root keys belong to
+# the vision side or repeat the text config's, and are not part of a KDAHybridConfig (the converter lists the vision
+# tensors it skips in its conversion record).
+K3_ROOT_KEYS = ("vision_config", "media_placeholder_token_id", "image_placeholder", "ignore_index")
+# The one quantisation K3 ships: compressed-tensors MXFP4 (E2M1 values, E8M0 scale per 32 inputs) on the routed
+# experts only. Read into `expert_quantization="mxfp4"`; written back verbatim by to_kimi_k3_dict().
+MXFP4 = "mxfp4"
+MXFP4_GROUP = 32
+K3_QUANTIZATION_IGNORE = (
+    "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*", "re:.*lm_head.*",
+    "re:.*vision_tower.*", "re:.*mm_projector.*",
+)
+
+
+def k3_quantization_config() -> dict:
+    """K3's quantization_config (text_config), as released: MXFP4 routed experts, everything else bf16."""
+    weights = {"actorder": None, "block_structure": None, "dynamic": False, "group_size": MXFP4_GROUP, "num_bits": 4,
+               "observer": "minmax", "observer_kwargs": {}, "scale_dtype": "torch.uint8", "strategy": "group",
+               "symmetric": True, "type": "float", "zp_dtype": None}
+    return {
+        "config_groups": {"group_0": {"format": "mxfp4-pack-quantized", "input_activations": None,
+                                      "output_activations": None, "targets": ["Linear"], "weights": weights}},
+        "format": "mxfp4-pack-quantized", "global_compression_ratio": None, "ignore": list(K3_QUANTIZATION_IGNORE),
+        "kv_cache_scheme": None, "quant_method": "compressed-tensors", "quantization_status": "compressed",
+    }
+
+
+def _expert_quantization_from(qc) -> str:
+    """A config.json quantization_config -> expert_quantization; anything but K3's MXFP4 experts is refused (this
+    model computes from no other stored format)."""
+    if not isinstance(qc, dict):
+        _fail("quantization_config", "a dict (K3's compressed-tensors MXFP4 experts)", qc)
+    groups = qc.get("config_groups") or {}
+    weights = [g.get("weights") or {} for g in groups.values()] if isinstance(groups, dict) else []
+    problems = []
+    if qc.get("quant_method") != "compressed-tensors":
+        problems.append(f"quant_method={qc.get('quant_method')!r}")
+    if qc.get("format") != "mxfp4-pack-quantized":
+        problems.append(f"format={qc.get('format')!r}")
+    if len(weights) != 1:
+        problems.append(f"{len(weights)} config_groups")
+    else:
+        w = weights[0]
+        for key, want in (("num_bits", 4), ("group_size", MXFP4_GROUP), ("type", "float"),
+                          ("scale_dtype", "torch.uint8"), ("strategy", "group")):
+            if w.get(key) != want:
+                problems.append(f"weights.{key}={w.get(key)!r}")
+    if qc.get("quantization_status", "compressed") != "compressed":
+        problems.append(f"quantization_status={qc.get('quantization_status')!r}")
+    if any(p not in (qc.get("ignore") or []) for p in K3_QUANTIZATION_IGNORE[:4]):
+        problems.append(f"ignore={qc.get('ignore')!r} (must leave attention, shared experts, dense MLPs and lm_head "
+                        "unquantised)")
+    if problems:
+        _fail("quantization_config", "K3's: compressed-tensors mxfp4-pack-quantized, 4-bit float, group_size 32, "
+              "uint8 scales, on the routed experts only", "; ".join(problems))
+    return MXFP4
 
 
 # RoPE variants of transformers' ROPE_INIT_FUNCTIONS whose inverse frequencies are fixed at construction
@@ -98,8 +177,19 @@ def _layer_types_from_kimi(lac, num_hidden_layers) -> list[str]:
 def _read_kimi_keys(kwargs: dict) -> dict:
     """Our keyword arguments for a dict that may carry Kimi-Linear or transformers-native keys."""
     kw = dict(kwargs)
+    if kw.get("model_type") == "kimi_k3" or "text_config" in kw:
+        kw = _k3_text_config(kw)
+    if "quantization_config" in kw:  # never left for transformers: its quantizers would take over loading
+        qc = kw.pop("quantization_config")
+        if qc is not None:
+            quant = _expert_quantization_from(qc)
+            if kw.get("expert_quantization") not in (None, quant):
+                _fail("expert_quantization", f"{quant!r} (what quantization_config says) when both are given",
+                      kw["expert_quantization"])
+            kw["expert_quantization"] = quant
     lac = kw.get("linear_attn_config")
     if lac is not None:  # an original Kimi-Linear config.json: its layers, then its required keys and defaults
+        _refuse_unknown_keys(kw)
         layer_types = _layer_types_from_kimi(lac, kw.get("num_hidden_layers"))
         missing = [k for k in ("head_dim", "num_heads", "short_conv_kernel_size") if k not in lac]
         if missing:
@@ -116,6 +206,11 @@ def _read_kimi_keys(kwargs: dict) -> dict:
                 _fail(ours, f"linear_attn_config.{key}={lac[key]!r} when both are given", given)
             kw[ours] = lac[key]
         kw.pop("linear_conv_kernel_dim", None)
+        for key, ours in _KIMI_LAC_FIELDS.items():
+            if key in lac:
+                if ours in kw and kw[ours] != lac[key]:
+                    _fail(ours, f"linear_attn_config.{key}={lac[key]!r} when both are given", kw[ours])
+                kw[ours] = lac[key]
         absent = [k for k in _KIMI_REQUIRED if kw.get(k) is None]
         if kw.get("num_experts"):
             absent += [k for k in _KIMI_MOE_REQUIRED if kw.get(k, kw.get(ALIASES.get(k))) is None]
@@ -151,8 +246,6 @@ def _read_kimi_keys(kwargs: dict) -> dict:
     if kimi.get("moe_router_activation_func", "sigmoid") != "sigmoid":
         _fail("moe_router_activation_func", "'sigmoid' (the only router this model implements)",
               kimi["moe_router_activation_func"])
-    if kimi.get("mla_use_output_gate"):
-        _fail("mla_use_output_gate", "False (Kimi-Linear has no MLA output gate)", kimi["mla_use_output_gate"])
     if kimi.get("mla_use_nope", True) is not True:
         _fail("mla_use_nope", "True: full-attention layers are NoPE MLA here, RoPE MLA is not implemented"
               + (" (False is Kimi-Linear's default when the key is absent)" if "mla_use_nope" not in kwargs else ""),
@@ -162,12 +255,61 @@ def _read_kimi_keys(kwargs: dict) -> dict:
         _fail("num_expert_group/topk_group", "1 (grouped top-k with one group is plain top-k)", groups)
     if kimi.get("model_type", "kimi_linear") not in ("kimi_linear", "kda_hybrid"):
         _fail("model_type", "'kda_hybrid' or 'kimi_linear'", kimi["model_type"])
+    if kimi.get("topk_method", "noaux_tc") not in ("noaux_tc", None):
+        _fail("topk_method", "'noaux_tc' (sigmoid scores plus the correction bias pick the experts)",
+              kimi["topk_method"])
     if kimi.get("moe_layer_freq", 1) != 1:
         _fail("moe_layer_freq", "1 (every layer after first_k_dense_replace is MoE)", kimi["moe_layer_freq"])
     if kimi.get("num_nextn_predict_layers", 0) not in (0, None):
         _fail("num_nextn_predict_layers", "0 (multi-token-prediction layers are not implemented)",
               kimi["num_nextn_predict_layers"])
     return kw
+
+
+def _k3_text_config(root: dict) -> dict:
+    """Kimi K3's root config.json -> its text backbone's keys (text_config, with the root's token ids and
+    tie_word_embeddings where text_config lacks them)."""
+    if root.get("model_type") not in (None, "kimi_k3"):
+        _fail("model_type", "'kimi_k3' for a config with a text_config", root.get("model_type"))
+    text = root.get("text_config")
+    if not isinstance(text, dict):
+        _fail("text_config", "a dict (a Kimi K3 config.json's text backbone)", text)
+    unknown = sorted(set(root) - GENERIC_KEYS - set(K3_ROOT_KEYS) - {
+        "text_config", "bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings"})
+    if unknown:
+        _fail("a Kimi K3 root config", f"keys of Kimi K3's config.json only ({', '.join(K3_ROOT_KEYS)}, text_config, "
+              "token ids, generic transformers keys)", f"unknown keys {unknown}")
+    out = dict(text)
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings"):
+        if key in root:
+            if key in out and out[key] != root[key]:
+                _fail(f"text_config.{key}", f"the root's {key}={root[key]!r} when both are given", out[key])
+            out[key] = root[key]
+    if out.get("model_type", "kimi_linear") != "kimi_linear":
+        _fail("text_config.model_type", "'kimi_linear' (K3's text backbone)", out.get("model_type"))
+    for key in ("auto_map", "architectures", "_name_or_path", "transformers_version"):  # Moonshot's files, not ours
+        out.pop(key, None)
+    for key in ("dtype", "torch_dtype"):
+        if key in root and key not in out:
+            out[key] = root[key]
+    return out
+
+
+def _refuse_unknown_keys(kw: dict):
+    """An original (Moonshot) config.json may carry only keys this class reads or generic transformers keys."""
+    fields = set(inspect.signature(KDAHybridConfig.__init__).parameters)  # ours (through functools.wraps)
+    known = fields | set(ALIASES) | set(KIMI_ONLY_KEYS) | GENERIC_KEYS | {"rope_scaling"}
+    unknown = sorted(set(kw) - known)
+    if unknown:
+        _fail("an original Kimi config.json", "made of keys this model implements (a key it does not know could "
+              "change the architecture and would be ignored)", f"unknown keys {unknown}")
+    lac_unknown = sorted(set(kw["linear_attn_config"]) - _LAC_KEYS) if isinstance(kw["linear_attn_config"], dict) \
+        else []
+    if lac_unknown:
+        _fail("linear_attn_config", f"a dict of {sorted(_LAC_KEYS)}", f"unknown keys {lac_unknown}")
+    if kw.get("rope_scaling") is not None:
+        _fail("rope_scaling", "None (Kimi's MLA is NoPE)", kw["rope_scaling"])
+    kw.pop("rope_scaling", None)
 
 
 def _reads_kimi_keys(init):
@@ -279,7 +421,17 @@ class KDAHybridConfig(PretrainedConfig):
         routed_scaling_factor: float = 1.0,  # multiplies routed weights
         norm_topk_prob: bool = True,  # renormalise the top-k weights
         router_weights_from_biased_scores: bool = False,  # True: Kimi Hub code (weights from score + bias)
-        hidden_act: str = "silu",
+        hidden_act: str = "silu",  # GLU activation of every MLP and expert: "silu" (SwiGLU) or "situ" (K3 SiTU-GLU)
+        # --- Kimi K3 switches (each off: Kimi Linear) ---
+        gate_lower_bound: float | None = None,  # KDA decay lb * sigmoid(exp(A_log) (z + dt_bias)) in (lb, 0)
+        use_full_rank_gate: bool = False,  # KDA output gate from one g_proj [H * V, D] (else g_b_proj(g_a_proj))
+        mla_use_output_gate: bool = False,  # MLA output o_proj(attn * sigmoid(g_proj(x)))
+        activation_situ_beta: float | None = None,  # SiTU gate cap b * tanh(g / b) (None: 1.0)
+        activation_situ_linear_beta: float | None = None,  # SiTU up-projection cap b * tanh(u / b) (None: none)
+        routed_expert_hidden_size: int | None = None,  # latent MoE: experts work in this width (None: hidden_size)
+        latent_moe_use_norm: bool = False,  # latent MoE: RMSNorm on the routed sum before the up-projection
+        attn_res_block_size: int | None = None,  # Block Attention Residuals: layers per block (None: residual sum)
+        expert_quantization: str | None = None,  # "mxfp4": routed experts stored as MXFP4 (K3's quantization_config)
         # --- the rest ---
         rms_norm_eps: float = 1e-5,
         initializer_range: float = 0.02,
@@ -336,6 +488,15 @@ class KDAHybridConfig(PretrainedConfig):
         self.norm_topk_prob = norm_topk_prob
         self.router_weights_from_biased_scores = router_weights_from_biased_scores
         self.hidden_act = hidden_act
+        self.gate_lower_bound = gate_lower_bound
+        self.use_full_rank_gate = use_full_rank_gate
+        self.mla_use_output_gate = mla_use_output_gate
+        self.activation_situ_beta = activation_situ_beta
+        self.activation_situ_linear_beta = activation_situ_linear_beta
+        self.routed_expert_hidden_size = routed_expert_hidden_size
+        self.latent_moe_use_norm = latent_moe_use_norm
+        self.attn_res_block_size = attn_res_block_size
+        self.expert_quantization = expert_quantization
         self.rms_norm_eps = rms_norm_eps
         self.initializer_range = initializer_range
         self.max_position_embeddings = max_position_embeddings
@@ -444,8 +605,41 @@ class KDAHybridConfig(PretrainedConfig):
             if self.num_experts_per_tok > self.num_experts:
                 _fail("num_experts_per_tok", f"<= num_experts={self.num_experts}", self.num_experts_per_tok)
         real("routed_scaling_factor", "a finite number > 0", lambda v: v > 0)
-        if self.hidden_act not in ("silu", "swish"):
-            _fail("hidden_act", "'silu'", self.hidden_act)
+        if self.hidden_act not in ("silu", "swish", "situ"):
+            _fail("hidden_act", "'silu' or 'situ'", self.hidden_act)
+        for name in ("activation_situ_beta", "activation_situ_linear_beta"):
+            if getattr(self, name) is not None:
+                if self.hidden_act != "situ":
+                    _fail(name, "None unless hidden_act='situ' (it would be ignored)", getattr(self, name))
+                real(name, "None or a finite number > 0", lambda v: v > 0)
+        if self.gate_lower_bound is not None:
+            real("gate_lower_bound", "None or a finite number < 0 (the KDA log decay lies in (bound, 0))",
+                 lambda v: v < 0)
+        for name in ("use_full_rank_gate", "mla_use_output_gate", "latent_moe_use_norm"):
+            boolean(name, getattr(self, name))
+        if self.mla_use_output_gate and self.attention_type != "mla":
+            _fail("mla_use_output_gate", "False with attention_type='gqa' (an MLA option)", self.mla_use_output_gate)
+        if self.routed_expert_hidden_size is not None:
+            positive_int("routed_expert_hidden_size")
+            if self.num_experts is None:
+                _fail("routed_expert_hidden_size", "None without routed experts (num_experts None)",
+                      self.routed_expert_hidden_size)
+        if self.latent_moe_use_norm and self.routed_expert_hidden_size is None:
+            _fail("latent_moe_use_norm", "False without a latent MoE (routed_expert_hidden_size None)",
+                  self.latent_moe_use_norm)
+        if self.attn_res_block_size is not None:
+            positive_int("attn_res_block_size")
+        if self.expert_quantization is not None:
+            if self.expert_quantization != MXFP4:
+                _fail("expert_quantization", f"None or {MXFP4!r}", self.expert_quantization)
+            if self.num_experts is None:
+                _fail("expert_quantization", "None without routed experts (num_experts None)", self.expert_quantization)
+            widths = {"moe_intermediate_size": self.moe_intermediate_size,
+                      "routed_expert_hidden_size or hidden_size": self.routed_expert_hidden_size or self.hidden_size}
+            for name, width in widths.items():
+                if width % MXFP4_GROUP:
+                    _fail(name, f"a multiple of {MXFP4_GROUP} with MXFP4 experts (one scale per {MXFP4_GROUP} inputs)",
+                          width)
         real("rms_norm_eps", "a positive float", lambda v: v > 0)
         real("initializer_range", "a finite number >= 0 (a standard deviation)", lambda v: v >= 0)
         real("attention_dropout", "a probability in [0, 1)", lambda v: 0 <= v < 1)
@@ -510,6 +704,20 @@ class KDAHybridConfig(PretrainedConfig):
                 "short_conv_kernel_size": self.linear_conv_kernel_size,
             },
         }
+        lac = out["linear_attn_config"]
+        if self.use_full_rank_gate:
+            lac["use_full_rank_gate"] = True
+        if self.gate_lower_bound is not None:
+            lac["gate_lower_bound"] = self.gate_lower_bound
+        for name in ("mla_use_output_gate", "latent_moe_use_norm"):
+            if getattr(self, name):
+                out[name] = True
+        for name in ("activation_situ_beta", "activation_situ_linear_beta", "routed_expert_hidden_size",
+                     "attn_res_block_size"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        if self.expert_quantization == MXFP4:
+            out["quantization_config"] = k3_quantization_config()
         if self.num_experts is None:  # all dense: every layer is one of the "first k dense" layers
             out["first_k_dense_replace"] = self.num_hidden_layers
         else:
@@ -528,6 +736,32 @@ class KDAHybridConfig(PretrainedConfig):
                 topk_group=1,
             )
         return out
+
+    @property
+    def uses_k3_features(self) -> bool:
+        """Whether any Kimi K3 switch is on (with all off, the model is Kimi Linear's, bit for bit)."""
+        return bool(self.gate_lower_bound is not None or self.use_full_rank_gate or self.mla_use_output_gate
+                    or self.hidden_act == "situ" or self.routed_expert_hidden_size is not None
+                    or self.latent_moe_use_norm or self.attn_res_block_size is not None
+                    or self.expert_quantization is not None)
+
+    def to_kimi_k3_dict(self) -> dict:
+        """This config as a Kimi K3 root config.json (model_type "kimi_k3"): the text backbone as its text_config
+        (what to_kimi_linear_dict() writes, with K3's topk_method and MTP keys). The root carries no vision_config:
+        the converter keeps a source K3 root's vision keys."""
+        text = self.to_kimi_linear_dict()
+        if self.num_experts is not None:
+            text["topk_method"] = "noaux_tc"
+        text["num_nextn_predict_layers"] = 0
+        return {
+            "architectures": ["KimiK3ForConditionalGeneration"],
+            "model_type": "kimi_k3",
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "text_config": text,
+        }
 
 
 __all__ = ["KDAHybridConfig"]

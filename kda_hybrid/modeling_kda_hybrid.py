@@ -40,6 +40,7 @@ from .layers_kda_hybrid import (
     KDAHybridRotaryEmbedding,
     KDAHybridRouter,
     KDALayerInputs,
+    glu_activation,
     packed_cu_seqlens,
 )
 
@@ -64,16 +65,41 @@ class KDAHybridDecoderLayer(GradientCheckpointingLayer):
         if config.is_moe_layer(layer_idx):
             self.block_sparse_moe = KDAHybridMoE(config)
         else:
-            self.mlp = KDAHybridMLP(config.hidden_size, config.intermediate_size)
+            self.mlp = KDAHybridMLP(config.hidden_size, config.intermediate_size, glu_activation(config))
         self.input_layernorm = KDAHybridRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = KDAHybridRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.attn_res = config.attn_res_block_size is not None
+        if self.attn_res:  # K3 Block Attention Residuals: each sublayer reads its input from the blocks
+            self.self_attention_res_norm, self.self_attention_res_proj = attn_res_query(config)
+            self.mlp_res_norm, self.mlp_res_proj = attn_res_query(config)
 
-    def forward(self, hidden_states, layer_inputs: KDALayerInputs | AttentionLayerInputs, cache=None, **kwargs):
+    def forward(self, hidden_states, blocks=None, layer_inputs: KDALayerInputs | AttentionLayerInputs = None,
+                cache=None, **kwargs):
         """hidden_states [B, T, D] -> (hidden_states [B, T, D], attention weights or None). `layer_inputs`: this
-        layer kind's inputs, built once per forward by KDAHybridModel.forward."""
-        cache_layer = cache.layers[self.self_attn.layer_idx] if cache is not None else None
+        layer kind's inputs, built once per forward by KDAHybridModel.forward.
+
+        With Block Attention Residuals, `blocks` [n, B, T, D] are the closed blocks (the embeddings first) and
+        hidden_states the current block's partial sum (None when this layer opens the block); the return value is
+        the partial sum with this layer's attention and MLP outputs added."""
+        if self.attn_res:
+            partial = hidden_states
+            x = attn_res_read(self.self_attention_res_norm, self.self_attention_res_proj, blocks, partial)
+            a, weights = self._attention(self.input_layernorm(x), layer_inputs, cache)
+            partial = a if partial is None else partial + a
+            x = attn_res_read(self.mlp_res_norm, self.mlp_res_proj, blocks, partial)
+            mlp = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
+            return partial + mlp(self.post_attention_layernorm(x)), weights
         residual = hidden_states
-        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states, weights = self._attention(self.input_layernorm(hidden_states), layer_inputs, cache)
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        mlp = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
+        return residual + mlp(hidden_states), weights
+
+    def _attention(self, hidden_states, layer_inputs, cache):
+        """This layer's attention (KDA or full) of its normed input -> (output, attention weights or None)."""
+        cache_layer = cache.layers[self.self_attn.layer_idx] if cache is not None else None
         weights = None
         if self.layer_type == "linear_attention":
             hidden_states = self.self_attn(hidden_states, token_mask=layer_inputs.token_mask, cache_layer=cache_layer,
@@ -84,11 +110,24 @@ class KDAHybridDecoderLayer(GradientCheckpointingLayer):
                 position_embeddings=layer_inputs.position_embeddings, cu_seqlens=layer_inputs.cu_seqlens,
                 path=layer_inputs.path, output_attentions=layer_inputs.output_attentions,
             )
-        hidden_states = residual + hidden_states
-        residual = hidden_states
-        hidden_states = self.post_attention_layernorm(hidden_states)
-        mlp = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
-        return residual + mlp(hidden_states), weights
+        return hidden_states, weights
+
+
+def attn_res_query(config: KDAHybridConfig) -> tuple[KDAHybridRMSNorm, nn.Linear]:
+    """One Block Attention Residuals read's parameters: the norm weight n [D] and the query q [1, D]."""
+    query = nn.Linear(config.hidden_size, 1, bias=False)
+    query.attn_res_query = True  # _init_weights starts it at zero
+    return KDAHybridRMSNorm(config.hidden_size, eps=config.rms_norm_eps), query
+
+
+def attn_res_read(norm: KDAHybridRMSNorm, proj: nn.Linear, blocks: torch.Tensor, partial: torch.Tensor | None):
+    """Block Attention Residuals read (K3): per token, a softmax over the sources V_i (the closed blocks, then the
+    partial block when it is not empty) of q . (n * V_i / rms(V_i)), mixing the raw sources; in fp32.
+    blocks [n, B, T, D], partial [B, T, D] or None -> [B, T, D]."""
+    sources = blocks if partial is None else torch.cat((blocks, partial[None]))
+    logits = proj(norm(sources)).float()  # [S, B, T, 1]
+    weights = torch.softmax(logits, dim=0)
+    return (weights * sources.float()).sum(0).to(sources.dtype)
 
 
 class KDAHybridPreTrainedModel(PreTrainedModel):
@@ -140,7 +179,9 @@ class KDAHybridPreTrainedModel(PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module):
         std = self.config.initializer_range
-        if isinstance(module, nn.Linear):
+        if isinstance(module, nn.Linear) and getattr(module, "attn_res_query", False):
+            module.weight.zero_()  # AttnRes queries start at zero: every read begins as the mean of its sources
+        elif isinstance(module, nn.Linear):
             module.weight.normal_(0.0, std)
             if module.bias is not None:
                 module.bias.zero_()
@@ -198,6 +239,8 @@ class KDAHybridModel(KDAHybridPreTrainedModel):
         self.vocab_size = config.vocab_size
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         self.layers = nn.ModuleList(KDAHybridDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        if config.attn_res_block_size is not None:  # the final read over every block, before the norm
+            self.output_attn_res_norm, self.output_attn_res_proj = attn_res_query(config)
         self.norm = KDAHybridRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = KDAHybridRotaryEmbedding(config) if config.attention_type == "gqa" else None
         self.gradient_checkpointing = False
@@ -272,17 +315,30 @@ class KDAHybridModel(KDAHybridPreTrainedModel):
         hidden_states = inputs_embeds
         all_hidden = (hidden_states,) if output_hidden_states else None
         all_attentions = () if output_attentions else None
+        block_size = self.config.attn_res_block_size
+        if block_size is not None:  # Block Attention Residuals: the embeddings are block 0; hidden_states the partial
+            if token_mask is not None:
+                inputs_embeds = torch.where(token_mask[..., None], inputs_embeds, 0)
+            blocks, hidden_states = inputs_embeds[None], None
         # the layer kind from the config, not from the layer: pipeline parallelism swaps the layers another stage runs
         # for identity layers, which return the hidden states alone
-        for layer, kind in zip(self.layers, self.config.layer_types):
-            if token_mask is not None:  # padding enters no layer with its values (NaN, inf): selected, not multiplied
+        for i, (layer, kind) in enumerate(zip(self.layers, self.config.layer_types)):
+            if block_size is not None and i > 0 and i % block_size == 0:  # a block closes: the next layer opens one
+                blocks, hidden_states = torch.cat((blocks, hidden_states[None])), None
+            if token_mask is not None and hidden_states is not None:
+                # padding enters no layer with its values (NaN, inf): selected, not multiplied
                 hidden_states = torch.where(token_mask[..., None], hidden_states, 0)
-            out = layer(hidden_states, layer_inputs=layer_inputs[kind], cache=cache)
+            if block_size is None:
+                out = layer(hidden_states, layer_inputs=layer_inputs[kind], cache=cache)
+            else:  # positional, so that reentrant gradient checkpointing propagates through the blocks
+                out = layer(hidden_states, blocks, layer_inputs=layer_inputs[kind], cache=cache)
             hidden_states, weights = out if isinstance(out, tuple) else (out, None)
-            if output_hidden_states:
-                all_hidden += (hidden_states,)
+            if output_hidden_states:  # under AttnRes: the residual stream's equivalent, every output summed so far
+                all_hidden += (hidden_states if block_size is None else blocks.sum(0) + hidden_states,)
             if output_attentions and kind == "full_attention":  # one entry per attention layer, as transformers'
                 all_attentions += (weights,)                       # hybrids (kimi_linear, qwen3_next) record them
+        if block_size is not None:
+            hidden_states = attn_res_read(self.output_attn_res_norm, self.output_attn_res_proj, blocks, hidden_states)
         hidden_states = self.norm(hidden_states)
         if output_hidden_states:  # the last entry is the normed output, as in transformers' models
             all_hidden = all_hidden[:-1] + (hidden_states,)

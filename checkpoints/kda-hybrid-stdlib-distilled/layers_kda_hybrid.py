@@ -3,6 +3,7 @@ dense SwiGLU and DeepSeek-V3-style MoE. Parameter names follow the original Kimi
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -196,8 +197,13 @@ class KDAHybridDeltaAttention(nn.Module):
         self.f_a_proj = nn.Linear(D, K, bias=False)
         self.f_b_proj = nn.Linear(K, H * K, bias=False)
         self.b_proj = nn.Linear(D, H, bias=False)
-        self.g_a_proj = nn.Linear(D, K, bias=False)
-        self.g_b_proj = nn.Linear(K, H * K, bias=False)
+        self.gate_lower_bound = config.gate_lower_bound  # K3: g = bound * sigmoid(exp(A_log) (z + dt_bias))
+        self.full_rank_gate = config.use_full_rank_gate
+        if self.full_rank_gate:  # K3: the output gate from one full-rank projection
+            self.g_proj = nn.Linear(D, H * K, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(D, K, bias=False)
+            self.g_b_proj = nn.Linear(K, H * K, bias=False)
         self.o_norm = KDAHybridGatedRMSNorm(K, eps=config.rms_norm_eps)
         self.o_proj = nn.Linear(H * K, D, bias=False)
 
@@ -318,7 +324,7 @@ class KDAHybridDeltaAttention(nn.Module):
             o, state = recurrent_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state,
                                       use_qk_l2norm_in_kernel=True, inplace=not recording)
             o = o[:, None]
-        else:  # g = -exp(A_log) softplus(.) <= 0 by construction: skip the op's gate check (a device sync on GPU)
+        else:  # g <= 0 by construction (either gate form): skip the op's gate check (a device sync on GPU)
             o, state = chunk_kda(q, k, v, g, beta, initial_state=state, output_final_state=cache_layer is not None,
                                  use_qk_l2norm_in_kernel=True, check_inputs=False)
         if cache_layer is not None:  # every row ends on a real token unless padded: then up to its last real one
@@ -355,12 +361,14 @@ class KDAHybridDeltaAttention(nn.Module):
 
     def _gates(self, x):
         B, T, _ = x.shape
-        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(B, T, -1, self.head_dim), self.A_log, self.dt_bias)
+        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(B, T, -1, self.head_dim), self.A_log, self.dt_bias,
+                     self.gate_lower_bound)
         return g, torch.sigmoid(self.b_proj(x).float())  # log decay [B, T, H, K], beta [B, T, H]
 
     def _output(self, x, o):
         B, T, _ = x.shape
-        gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, -1, self.head_dim)
+        gate = self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
+        gate = gate.view(B, T, -1, self.head_dim)
         return self.o_proj(self.o_norm(o, gate).reshape(B, T, -1))  # [B, T, H*V] -> [B, T, D]
 
     def _forward_packed(self, hidden_states, cu_seqlens):
@@ -567,7 +575,15 @@ class KDAHybridMLAttention(_CausalThroughNonFinite, nn.Module):
         self.kv_a_proj_with_mqa = nn.Linear(D, self.kv_lora_rank + self.qk_rope_head_dim, bias=config.attention_bias)
         self.kv_a_layernorm = KDAHybridRMSNorm(self.kv_lora_rank, eps=MLA_NORM_EPS)
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, Hq * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
+        if config.mla_use_output_gate:  # K3: o_proj(attention * sigmoid(g_proj(x)))
+            self.g_proj = nn.Linear(D, Hq * self.v_head_dim, bias=False)
         self.o_proj = nn.Linear(Hq * self.v_head_dim, D, bias=config.attention_bias)
+
+    def _out(self, hidden_states, out):
+        """The attention output [B, T, H * v] -> [B, T, D]: o_proj, after K3's sigmoid output gate if any."""
+        if hasattr(self, "g_proj"):
+            out = out * torch.sigmoid(self.g_proj(hidden_states))
+        return self.o_proj(out)
 
     def _attend(self, hidden_states, attention_mask=None, cache_layer: KVLayerState | None = None,
                 cu_seqlens: torch.Tensor | None = None, path: str = "masked", output_attentions: bool = False,
@@ -592,7 +608,7 @@ class KDAHybridMLAttention(_CausalThroughNonFinite, nn.Module):
         if path == "latent":
             w = _plain_weight(self.kv_b_proj, nn.Linear)
             if w is not None:
-                return self._absorbed(q, latent, k_rot, attention_mask, w), None
+                return self._out(hidden_states, self._absorbed(q, latent, k_rot, attention_mask, w)), None
             # a wrapped kv_b_proj (LoRA, offload hook, quantised): expand the latent through the module instead; no
             # mask means no padding and every cached key visible, which continuation attention computes
             path = "continuation" if attention_mask is None else "masked"
@@ -614,7 +630,8 @@ class KDAHybridMLAttention(_CausalThroughNonFinite, nn.Module):
             out, weights = _attention_interface(self.config)(
                 self, q, k, v, attention_mask, dropout=dropout, scaling=self.scaling, **kwargs,
             )
-        return self.o_proj(out[..., : self.v_head_dim].reshape(B, T, -1)), weights if output_attentions else None
+        out = self._out(hidden_states, out[..., : self.v_head_dim].reshape(B, T, -1))
+        return out, weights if output_attentions else None
 
     def _absorbed(self, q, latent, k_rot, attention_mask, weight):
         """Decode against the cached latent without expanding it: kv_b_proj's key half is folded into the
@@ -649,7 +666,7 @@ class KDAHybridMLAttention(_CausalThroughNonFinite, nn.Module):
         probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out_lat = (probs.reshape(B, Hq * T, Tk) @ lat).view(B, Hq, T, -1)  # [B, H, T, r]
         out = torch.matmul(out_lat, w_v.transpose(1, 2))  # [B, H, T, v]
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        return out.transpose(1, 2).reshape(B, T, -1)  # [B, T, H * v]
 
 
 def _rotate_half(x):
@@ -756,28 +773,114 @@ class KDAHybridAttention(_CausalThroughNonFinite, nn.Module):
 # ------------------------------------------------------------------------------------------------------
 
 
+def glu_activation(config: KDAHybridConfig) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """act(gate, up) of every MLP and expert: SwiGLU silu(g) * u, or K3's SiTU-GLU
+    b * tanh(g / b) * sigmoid(g) * c * tanh(u / c) in fp32 (b = activation_situ_beta, default 1; c =
+    activation_situ_linear_beta, None: u uncapped)."""
+    if config.hidden_act != "situ":
+        return _swiglu
+    beta = 1.0 if config.activation_situ_beta is None else float(config.activation_situ_beta)
+    linear_beta = config.activation_situ_linear_beta
+
+    def situ(gate, up):
+        g, u = gate.float(), up.float()
+        capped = torch.tanh(u / linear_beta) * linear_beta if linear_beta is not None else u
+        return (torch.tanh(g / beta) * beta * torch.sigmoid(g) * capped).to(gate.dtype)
+
+    return situ
+
+
+def _swiglu(gate, up):
+    return F.silu(gate) * up
+
+
 class KDAHybridMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, act: Callable = _swiglu):
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.act = act
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+
+
+# E2M1 (FP4) code -> value; bit 3 is the sign
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+MXFP4_GROUP = 32  # inputs per E8M0 scale
+
+
+def check_mxfp4(packed: torch.Tensor, scale: torch.Tensor, name: str = "weight"):
+    """ValueError unless packed / scale are MXFP4 as stored (uint8, [out, in / 2] and [out, in / 32]) with no NaN
+    scale (E8M0 byte 255)."""
+    if packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
+        raise ValueError(f"{name}: MXFP4 weight_packed / weight_scale must be uint8, got {packed.dtype} / "
+                         f"{scale.dtype}")
+    if packed.dim() != 2 or scale.dim() != 2 or packed.shape[0] != scale.shape[0] or \
+            packed.shape[1] * 2 != scale.shape[1] * MXFP4_GROUP:
+        raise ValueError(f"{name}: MXFP4 weight_packed [out, in / 2] and weight_scale [out, in / {MXFP4_GROUP}] must "
+                         f"agree, got {tuple(packed.shape)} and {tuple(scale.shape)}")
+    if not scale.is_meta and bool((scale == 255).any()):
+        bad = (scale == 255).nonzero()[0].tolist()
+        raise ValueError(f"{name}: MXFP4 weight_scale holds 255 (NaN in E8M0) at {bad}; the checkpoint is corrupt")
+
+
+def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """MXFP4 -> [out, in] in dtype: element 2j of a row is the low nibble of byte j, 2j + 1 the high one; each run of
+    32 inputs is scaled by 2 ** (scale - 127). Exact in bf16 and fp32 (a power of two times an E2M1 value)."""
+    lut = torch.tensor(_E2M1, dtype=torch.float32, device=packed.device)
+    codes = torch.stack((packed & 15, packed >> 4), -1).view(packed.shape[0], -1)  # [out, in]
+    factor = torch.exp2(scale.float() - 127.0)  # [out, in / 32]
+    w = lut[codes.long()].view(packed.shape[0], -1, MXFP4_GROUP) * factor[..., None]
+    return w.view(packed.shape[0], -1).to(dtype)
+
+
+class MXFP4Linear(nn.Module):
+    """A bias-free Linear whose weight is stored as MXFP4 (K3's routed experts as released): `weight_packed` [out,
+    in / 2] and `weight_scale` [out, in / 32], uint8 buffers; each call dequantises the weight in the input's dtype
+    (only the experts a batch uses are ever expanded). Not trainable (as stored)."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight_packed", torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
+        self.register_buffer("weight_scale", torch.full((out_features, in_features // MXFP4_GROUP), 127,
+                                                        dtype=torch.uint8))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # refused before anything is copied
+        packed, scale = state_dict.get(prefix + "weight_packed"), state_dict.get(prefix + "weight_scale")
+        if packed is not None and scale is not None:
+            check_mxfp4(packed, scale, prefix.rstrip("."))
+            if packed.shape != self.weight_packed.shape:
+                raise ValueError(f"{prefix}weight_packed: expected {tuple(self.weight_packed.shape)} for in="
+                                 f"{self.in_features}, out={self.out_features}, got {tuple(packed.shape)}")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_mxfp4(self.weight_packed, self.weight_scale, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantized(x.dtype))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, mxfp4"
 
 
 class KDAHybridExpert(nn.Module):
-    """One routed expert, named as in the Kimi-Linear checkpoint: w1 gate, w3 up, w2 down."""
+    """One routed expert, named as in the Kimi-Linear checkpoint: w1 gate, w3 up, w2 down (MXFP4Linear when the
+    experts are stored as MXFP4)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, act: Callable = _swiglu, mxfp4: bool = False):
         super().__init__()
-        self.w1 = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.w2 = nn.Linear(intermediate_size, hidden_size, bias=False)
-        self.w3 = nn.Linear(hidden_size, intermediate_size, bias=False)
+        linear = MXFP4Linear if mxfp4 else functools.partial(nn.Linear, bias=False)
+        self.w1 = linear(hidden_size, intermediate_size)
+        self.w2 = linear(intermediate_size, hidden_size)
+        self.w3 = linear(hidden_size, intermediate_size)
+        self.act = act
 
     def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(self.act(self.w1(x), self.w3(x)))
 
 
 class KDAHybridRouter(nn.Module):
@@ -814,12 +917,21 @@ class KDAHybridMoE(nn.Module):
     def __init__(self, config: KDAHybridConfig):
         super().__init__()
         self.num_experts = config.num_experts
+        act = glu_activation(config)
+        D, latent = config.hidden_size, config.routed_expert_hidden_size
         self.gate = KDAHybridRouter(config)
+        if latent is not None:  # K3 latent MoE: the router sees x, the experts a projection of it
+            self.routed_expert_down_proj = nn.Linear(D, latent, bias=False)
+            if config.latent_moe_use_norm:
+                self.routed_expert_norm = KDAHybridRMSNorm(latent, eps=config.rms_norm_eps)
+            self.routed_expert_up_proj = nn.Linear(latent, D, bias=False)
+        self.latent = latent is not None
         self.experts = nn.ModuleList(
-            KDAHybridExpert(config.hidden_size, config.moe_intermediate_size) for _ in range(config.num_experts)
+            KDAHybridExpert(latent or D, config.moe_intermediate_size, act, config.expert_quantization == "mxfp4")
+            for _ in range(config.num_experts)
         )
         self.shared_experts = (
-            KDAHybridMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+            KDAHybridMLP(D, config.moe_intermediate_size * config.n_shared_experts, act)
             if config.n_shared_experts else None
         )
 
@@ -827,9 +939,18 @@ class KDAHybridMoE(nn.Module):
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])  # [N, D]
         idx, weights = self.gate(x)
-        out = torch.zeros_like(x)
+        if self.latent:  # K3: the experts work in the latent width; their weighted sum is taken in fp32
+            z = self.routed_expert_down_proj(x)
+            out = self._routed(z, idx, weights, torch.zeros_like(z, dtype=torch.float32)).to(z.dtype)
+            if hasattr(self, "routed_expert_norm"):
+                out = self.routed_expert_norm(out)
+            return self._add_shared(self.routed_expert_up_proj(out).view(shape), hidden_states)
+        return self._add_shared(self._routed(x, idx, weights, torch.zeros_like(x)).view(shape), hidden_states)
+
+    def _routed(self, x, idx, weights, out):
+        """out += sum over each token's chosen experts e of weight_e * expert_e(x), in out's dtype."""
         if x.is_meta:  # shapes only (torch.device("meta")): which expert a token goes to depends on values
-            return self._add_shared(out.view(shape), hidden_states)
+            return out
         flat = idx.flatten()
         order = flat.argsort(stable=True)  # token slots grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
@@ -840,10 +961,10 @@ class KDAHybridMoE(nn.Module):
                 continue
             slots = order[start : start + n]
             tokens = token_of_slot[start : start + n]
-            y = self.experts[e](x[tokens]) * weights.flatten()[slots, None].to(x.dtype)
-            out.index_add_(0, tokens, y)
+            y = self.experts[e](x[tokens]) * weights.flatten()[slots, None].to(out.dtype)
+            out.index_add_(0, tokens, y.to(out.dtype))
             start += n
-        return self._add_shared(out.view(shape), hidden_states)
+        return out
 
     def _add_shared(self, out, hidden_states):
         return out if self.shared_experts is None else out + self.shared_experts(hidden_states)

@@ -36,6 +36,8 @@ class Spec:
     # the router weight: models (ours, transformers') compute router logits in fp32 and keep this weight fp32,
     # so a cast never rounds an fp32 router down (a bf16 one, as in the Hub checkpoint, stays bf16)
     no_downcast: bool = False
+    # stored as is (uint8): MXFP4 expert weights (`weight_packed`) and their E8M0 scales (`weight_scale`)
+    quantized: bool = False
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,10 @@ def kimi_inventory(cfg) -> dict[str, Spec]:
         p = f"model.layers.{i}."
         inv[p + "input_layernorm.weight"] = Spec((D,))
         inv[p + "post_attention_layernorm.weight"] = Spec((D,))
+        if config.attn_res_block_size is not None:  # K3 Block Attention Residuals: two reads per layer
+            for read in ("self_attention_res", "mlp_res"):
+                inv[p + f"{read}_norm.weight"] = Spec((D,))
+                inv[p + f"{read}_proj.weight"] = Spec((1, D))
         a = p + "self_attn."
         if attn_kind == KDA:
             for x in "qkv":
@@ -111,8 +117,11 @@ def kimi_inventory(cfg) -> dict[str, Spec]:
             inv[a + "f_a_proj.weight"] = Spec((K, D))
             inv[a + "f_b_proj.weight"] = Spec((H * K, K))
             inv[a + "b_proj.weight"] = Spec((H, D))
-            inv[a + "g_a_proj.weight"] = Spec((K, D))
-            inv[a + "g_b_proj.weight"] = Spec((H * K, K))
+            if config.use_full_rank_gate:  # K3
+                inv[a + "g_proj.weight"] = Spec((H * K, D))
+            else:
+                inv[a + "g_a_proj.weight"] = Spec((K, D))
+                inv[a + "g_b_proj.weight"] = Spec((H * K, K))
             inv[a + "o_norm.weight"] = Spec((K,))
             inv[a + "o_proj.weight"] = Spec((D, H * K))
         else:
@@ -125,6 +134,8 @@ def kimi_inventory(cfg) -> dict[str, Spec]:
             inv[a + "kv_a_proj_with_mqa.weight"] = Spec((kv_rank + rope, D))
             inv[a + "kv_a_layernorm.weight"] = Spec((kv_rank,))
             inv[a + "kv_b_proj.weight"] = Spec((n_heads * (nope + v_dim), kv_rank))
+            if config.mla_use_output_gate:  # K3
+                inv[a + "g_proj.weight"] = Spec((n_heads * v_dim, D))
             inv[a + "o_proj.weight"] = Spec((D, n_heads * v_dim))
         if mlp_kind == DENSE:
             inter = config.intermediate_size
@@ -136,16 +147,28 @@ def kimi_inventory(cfg) -> dict[str, Spec]:
             m = p + "block_sparse_moe."
             inv[m + "gate.weight"] = Spec((E, D), no_downcast=True)
             inv[m + "gate.e_score_correction_bias"] = Spec((E,), fp32=True)
+            width = config.routed_expert_hidden_size or D  # K3 latent MoE: the experts' width
             for e in range(E):
-                inv[m + f"experts.{e}.w1.weight"] = Spec((inter, D))
-                inv[m + f"experts.{e}.w2.weight"] = Spec((D, inter))
-                inv[m + f"experts.{e}.w3.weight"] = Spec((inter, D))
+                for w, (out_dim, in_dim) in (("w1", (inter, width)), ("w2", (width, inter)), ("w3", (inter, width))):
+                    if config.expert_quantization == "mxfp4":  # K3: E2M1 pairs and one E8M0 scale per 32 inputs
+                        inv[m + f"experts.{e}.{w}.weight_packed"] = Spec((out_dim, in_dim // 2), quantized=True)
+                        inv[m + f"experts.{e}.{w}.weight_scale"] = Spec((out_dim, in_dim // 32), quantized=True)
+                    else:
+                        inv[m + f"experts.{e}.{w}.weight"] = Spec((out_dim, in_dim))
+            if config.routed_expert_hidden_size is not None:
+                inv[m + "routed_expert_down_proj.weight"] = Spec((width, D))
+                if config.latent_moe_use_norm:
+                    inv[m + "routed_expert_norm.weight"] = Spec((width,))
+                inv[m + "routed_expert_up_proj.weight"] = Spec((D, width))
             shared = inter * config.n_shared_experts
             if shared:
                 inv[m + "shared_experts.gate_proj.weight"] = Spec((shared, D))
                 inv[m + "shared_experts.up_proj.weight"] = Spec((shared, D))
                 inv[m + "shared_experts.down_proj.weight"] = Spec((D, shared))
     inv["model.norm.weight"] = Spec((D,))
+    if config.attn_res_block_size is not None:  # the final read, before the norm (listed after it, as released)
+        inv["model.output_attn_res_norm.weight"] = Spec((D,))
+        inv["model.output_attn_res_proj.weight"] = Spec((1, D))
     if not config.tie_word_embeddings:
         inv["lm_head.weight"] = Spec((vocab, D))
     return inv

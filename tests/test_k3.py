@@ -1,0 +1,414 @@
+"""Kimi K3 in the model: the released config.json read field by field (and refused where it says something this
+model does not implement), the K3 layers against an independent token-by-token reference written from the
+formulas (tests/k3_reference.py), the Kimi Linear special case bit for bit, and the cache paths (decode, chunked
+prefill, padding, rollback, packed documents) on a K3-shaped model."""
+
+import copy
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from kda_hybrid import KDAHybridConfig, KDAHybridForCausalLM
+from kda_hybrid.configuration_kda_hybrid import GENERIC_KEYS, k3_quantization_config
+from kda_hybrid.layers_kda_hybrid import MXFP4Linear, dequantize_mxfp4
+
+from . import k3_reference as ref
+from .helpers import VOCAB, tiny_kimi_config
+
+FIXTURES = Path(__file__).parent / "fixtures"
+K3_CONFIG = json.loads((FIXTURES / "kimi_k3_config.json").read_text())
+
+# every K3 switch, as the released text_config sets it
+K3_SWITCHES = dict(gate_lower_bound=-5.0, use_full_rank_gate=True, mla_use_output_gate=True, hidden_act="situ",
+                   activation_situ_beta=4.0, activation_situ_linear_beta=25.0, routed_expert_hidden_size=32,
+                   latent_moe_use_norm=True, attn_res_block_size=2)
+
+
+def k3_text_config(**over):
+    """The released K3 text_config at a tiny size: 6 layers (1-based 4 and 6 MLA), D 64, 2 KDA heads of 16, MLA 2
+    heads with q-LoRA 16, 4 experts top-2 in a latent of 32, 2 shared experts, AttnRes blocks of 2 layers."""
+    text = copy.deepcopy(K3_CONFIG["text_config"])
+    text.pop("quantization_config")
+    text.update(hidden_size=64, intermediate_size=96, num_hidden_layers=6, vocab_size=VOCAB, num_attention_heads=2,
+                num_key_value_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                v_head_dim=8, num_experts=4, num_experts_per_token=2, moe_intermediate_size=32,
+                routed_expert_hidden_size=32, attn_res_block_size=2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    text["linear_attn_config"] = dict(text["linear_attn_config"], kda_layers=[1, 2, 3, 5], full_attn_layers=[4, 6],
+                                      num_heads=2, head_dim=16)
+    text.update(over)
+    return text
+
+
+def k3_model(seed=0, dtype=torch.float32, **over):
+    """A tiny K3 model with every parameter non-trivial (norms, router bias and AttnRes queries random)."""
+    torch.manual_seed(seed)
+    model = KDAHybridForCausalLM(KDAHybridConfig(**k3_text_config(**over))).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("e_score_correction_bias"):
+                p.normal_(0, 0.1)
+            elif name.endswith("_res_proj.weight"):
+                p.normal_(0, 0.5)
+    return model.to(dtype)
+
+
+def reference_logits(model, ids):
+    tensors = {k: v.detach().double() if v.is_floating_point() else v for k, v in model.state_dict().items()}
+    return ref.k3_reference_logits(tensors, model.config.to_kimi_linear_dict(), ids)
+
+
+# --------------------------------------------------------------------------------------------------
+# Config
+# --------------------------------------------------------------------------------------------------
+
+def test_released_k3_config_reads_every_field():
+    c = KDAHybridConfig(**K3_CONFIG)
+    assert c.num_hidden_layers == 93 and len(c.linear_attention_layers) == 69 and len(c.full_attention_layers) == 24
+    assert c.full_attention_layers[:3] == [3, 7, 11] and c.full_attention_layers[-2:] == [91, 92]  # 1-based 92, 93
+    assert (c.linear_num_heads, c.linear_head_dim, c.linear_conv_kernel_size) == (96, 128, 4)
+    assert (c.gate_lower_bound, c.use_full_rank_gate, c.mla_use_output_gate) == (-5.0, True, True)
+    assert (c.hidden_act, c.activation_situ_beta, c.activation_situ_linear_beta) == ("situ", 4.0, 25.0)
+    assert (c.num_experts, c.num_experts_per_tok, c.n_shared_experts) == (896, 16, 2)
+    assert (c.moe_intermediate_size, c.routed_expert_hidden_size, c.latent_moe_use_norm) == (3072, 3584, True)
+    assert (c.q_lora_rank, c.kv_lora_rank, c.attn_res_block_size, c.expert_quantization) == (1536, 512, 12, "mxfp4")
+    assert (c.rms_norm_eps, c.routed_scaling_factor, c.first_k_dense_replace) == (1e-5, 1.0, 1)
+    assert (c.bos_token_id, c.eos_token_id, c.pad_token_id, c.tie_word_embeddings) == (163584, 163586, 163839, False)
+    # transformers' quantizers never see K3's quantization_config: this model computes from the stored MXFP4 itself
+    assert getattr(c, "quantization_config", None) is None and "quantization_config" not in c.to_dict()
+
+
+def test_k3_config_writes_back_every_architecture_key():
+    text = K3_CONFIG["text_config"]
+    back = KDAHybridConfig(**K3_CONFIG).to_kimi_k3_dict()
+    assert back["model_type"] == "kimi_k3" and back["architectures"] == ["KimiK3ForConditionalGeneration"]
+    ours = back["text_config"]
+    for key, value in ours.items():
+        if key not in ("architectures",):
+            assert text[key] == value, key
+    generic = set(text) - set(ours)
+    assert generic <= GENERIC_KEYS | {"num_key_value_heads"}, generic - GENERIC_KEYS
+    assert ours["quantization_config"] == k3_quantization_config() == text["quantization_config"]
+    def architecture(c):
+        return {k: v for k, v in c.to_dict().items() if k not in GENERIC_KEYS}
+
+    assert architecture(KDAHybridConfig(**back)) == architecture(KDAHybridConfig(**K3_CONFIG))
+    assert "auto_map" not in KDAHybridConfig(**K3_CONFIG).to_dict()  # Moonshot's module names are not ours
+
+
+def test_kimi_linear_configs_write_no_k3_key():
+    """A Kimi Linear config reads and writes back exactly as before K3: no K3 key appears."""
+    kimi = tiny_kimi_config()
+    back = KDAHybridConfig(**kimi).to_kimi_linear_dict()
+    assert not KDAHybridConfig(**kimi).uses_k3_features
+    for key in ("use_full_rank_gate", "gate_lower_bound"):
+        assert key not in back["linear_attn_config"]
+    for key in ("mla_use_output_gate", "activation_situ_beta", "routed_expert_hidden_size", "latent_moe_use_norm",
+                "attn_res_block_size", "quantization_config"):
+        assert key not in back
+
+
+@pytest.mark.parametrize("where, key", [("text", "attn_res_new_switch"), ("lac", "use_shiny_gate"),
+                                        ("root", "audio_config")])
+def test_a_key_this_model_does_not_implement_is_an_error_naming_it(where, key):
+    cfg = copy.deepcopy(K3_CONFIG)
+    {"text": cfg["text_config"], "lac": cfg["text_config"]["linear_attn_config"], "root": cfg}[where][key] = 1
+    with pytest.raises(ValueError, match=key):
+        KDAHybridConfig(**cfg)
+
+
+@pytest.mark.parametrize("over, field, expected", [
+    (dict(linear_attn_config={"gate_lower_bound": 0.0}), "gate_lower_bound", "< 0"),
+    (dict(linear_attn_config={"gate_lower_bound": float("nan")}), "gate_lower_bound", "finite"),
+    (dict(linear_attn_config={"use_full_rank_gate": 1}), "use_full_rank_gate", "True or False"),
+    (dict(hidden_act="silu"), "activation_situ_beta", "hidden_act='situ'"),
+    (dict(activation_situ_linear_beta=-1.0), "activation_situ_linear_beta", "> 0"),
+    (dict(routed_expert_hidden_size=0), "routed_expert_hidden_size", "positive int"),
+    (dict(routed_expert_hidden_size=None), "latent_moe_use_norm", "without a latent MoE"),
+    (dict(attn_res_block_size=0), "attn_res_block_size", "positive int"),
+    (dict(num_experts=None, latent_moe_use_norm=False, quantization_config=None), "routed_expert_hidden_size",
+     "without routed experts"),
+    (dict(moe_intermediate_size=3000), "moe_intermediate_size", "multiple of 32"),
+    (dict(quantization_config=dict(k3_quantization_config(), format="nvfp4-pack-quantized")), "quantization_config",
+     "format='nvfp4-pack-quantized'"),
+    (dict(quantization_config=dict(k3_quantization_config(), ignore=["re:.*lm_head.*"])), "quantization_config",
+     "unquantised"),
+    (dict(mla_use_output_gate="yes"), "mla_use_output_gate", "True or False"),
+])
+def test_bad_k3_value_is_refused_naming_the_field(over, field, expected):
+    cfg = copy.deepcopy(K3_CONFIG)
+    text = cfg["text_config"]
+    if "linear_attn_config" in over:
+        text["linear_attn_config"].update(over.pop("linear_attn_config"))
+    text.update(over)
+    with pytest.raises(ValueError, match=field) as err:
+        KDAHybridConfig(**cfg)
+    assert expected in str(err.value)
+
+
+def test_the_k3_state_dict_is_the_released_text_inventory():
+    """Our parameter names and shapes for the released K3 config are the released text tensors (the inventory of
+    the 96 shards, 497,052 tensors, `language_model.` stripped), one for one. The one difference: A_log, [128] as
+    released (96 heads, then a zero tail), [1, 1, 96, 1] here. Dtypes: MXFP4 uint8 exactly where released, fp32 where
+    this model keeps fp32."""
+    from kda_hybrid.conversion import kimi_inventory
+
+    with gzip.open(FIXTURES / "kimi_k3_text_tensors.tsv.gz", "rt") as f:
+        rows = [line.rstrip("\n").split("\t") for line in f]
+    released = {name.removeprefix("language_model."): (tuple(json.loads(shape)), dtype) for name, shape, dtype in rows}
+    assert len(released) == len(rows) == 497_052
+    ours = kimi_inventory(K3_CONFIG)
+    assert list(ours) == list(released)  # the same names in the same order
+    for name, spec in ours.items():
+        shape, dtype = released[name]
+        if name.endswith(".A_log"):
+            assert (shape, spec.shape) == ((128,), (1, 1, 96, 1)), name
+        else:
+            assert spec.shape == shape, name
+        assert spec.quantized == (dtype == "u8"), name
+        if spec.fp32:
+            assert dtype == "fp32", name
+
+
+# --------------------------------------------------------------------------------------------------
+# Against the reference written from the formulas
+# --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("over", [
+    pytest.param({}, id="k3"),
+    pytest.param(dict(attn_res_block_size=None), id="no-attnres"),
+    pytest.param(dict(routed_expert_hidden_size=None, latent_moe_use_norm=False), id="no-latent"),
+    pytest.param(dict(latent_moe_use_norm=False), id="latent-no-norm"),
+    pytest.param(dict(attn_res_block_size=4), id="attnres-4"),
+    pytest.param(dict(activation_situ_linear_beta=None), id="situ-uncapped-up"),
+    pytest.param(dict(q_lora_rank=None), id="no-q-lora"),
+])
+def test_k3_model_equals_the_token_by_token_reference(over):
+    model = k3_model(**over).double()
+    ids = torch.randint(1, VOCAB, (2, 11), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        got = model(ids).logits
+    torch.testing.assert_close(got, reference_logits(model, ids), **F64_TOL)
+
+
+# The model keeps its gates, norms, router scores and softmaxes in fp32 even when its weights are float64, as it
+# does for bf16 weights; the reference is float64 throughout. Observed: at most 1.2e-6 on logits of std ~1.
+F64_TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tensor, config_change", [
+    ("model.layers.4.mlp_res_proj.weight", None),
+    ("model.layers.0.self_attn.g_proj.weight", None),
+    ("model.layers.3.self_attn.g_proj.weight", None),
+    ("model.layers.2.block_sparse_moe.routed_expert_norm.weight", None),
+    ("model.output_attn_res_proj.weight", None),
+    (None, {"gate_lower_bound": -2.0}),
+    (None, {"activation_situ_beta": 3.0}),
+])
+def test_the_reference_comparison_sees_a_small_change_in_any_k3_piece(tensor, config_change):
+    """The comparison above can fail: one K3 tensor scaled by 1.05, or one K3 constant changed, moves the logits
+    beyond ten times its tolerance (the model-vs-reference error is under 1.2e-6)."""
+    model = k3_model().double()
+    ids = torch.randint(1, VOCAB, (2, 11), generator=torch.Generator().manual_seed(3))
+    tensors = {k: v.detach().double() if v.is_floating_point() else v for k, v in model.state_dict().items()}
+    config = model.config.to_kimi_linear_dict()
+    if tensor is not None:
+        tensors[tensor] = tensors[tensor] * 1.05
+    else:
+        for key, value in config_change.items():
+            (config["linear_attn_config"] if key in config["linear_attn_config"] else config)[key] = value
+    with torch.no_grad():
+        got = model(ids).logits
+    assert (got - ref.k3_reference_logits(tensors, config, ids)).abs().max() > 10 * F64_TOL["atol"]
+
+
+def test_k3_model_in_fp32_is_close_to_the_float64_reference():
+    """fp32 over more than one chunk (70 tokens > 64): the chunked CPU path, not only token by token."""
+    model = k3_model()
+    ids = torch.randint(1, VOCAB, (1, 70), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        got = model(ids).logits.double()
+    torch.testing.assert_close(got, reference_logits(model, ids), rtol=2e-4, atol=2e-4)
+
+
+def test_every_switch_off_is_kimi_linear_bit_for_bit():
+    """A K3 config with every K3 switch off builds today's Kimi Linear model: the same parameters, and the same
+    logits bit for bit (the same computation)."""
+    off = dict(gate_lower_bound=None, use_full_rank_gate=False, mla_use_output_gate=False, hidden_act="silu",
+               routed_expert_hidden_size=None, latent_moe_use_norm=False, attn_res_block_size=None)
+    base = tiny_kimi_config()
+    k3_off = dict(base, **{k: v for k, v in off.items() if k not in ("gate_lower_bound", "use_full_rank_gate")})
+    k3_off["linear_attn_config"] = dict(base["linear_attn_config"], gate_lower_bound=None, use_full_rank_gate=False)
+    a, b = KDAHybridConfig(**base), KDAHybridConfig(**k3_off)
+    assert not a.uses_k3_features and not b.uses_k3_features
+    assert a.to_kimi_linear_dict() == b.to_kimi_linear_dict()
+    torch.manual_seed(0)
+    ma = KDAHybridForCausalLM(a).eval()
+    mb = KDAHybridForCausalLM(b).eval()
+    assert list(ma.state_dict()) == list(mb.state_dict())
+    mb.load_state_dict(ma.state_dict())
+    ids = torch.randint(1, 96, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(ma(ids).logits, mb(ids).logits)
+
+
+# --------------------------------------------------------------------------------------------------
+# Cache paths: nothing of AttnRes is cached, and every path stays exact
+# --------------------------------------------------------------------------------------------------
+
+def test_k3_decode_and_chunked_prefill_equal_one_forward():
+    model = k3_model()
+    ids = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        full = model(ids).logits
+        out = model(ids[:, :5], use_cache=True)
+        parts = [out.logits]
+        mid = model(ids[:, 5:9], cache=out.cache)  # a chunk of 4 (latent MLA path)
+        parts.append(mid.logits)
+        for t in range(9, 12):  # token by token (KDA decode step)
+            parts.append(model(ids[:, t:t + 1], cache=mid.cache).logits)
+    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-4, atol=1e-5)
+
+
+def test_k3_left_padding_and_crop_rollback_are_exact():
+    model = k3_model()
+    ids = torch.randint(3, VOCAB, (1, 7), generator=torch.Generator().manual_seed(6))
+    padded = torch.cat((torch.zeros(1, 3, dtype=torch.long), ids), 1)
+    mask = torch.cat((torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 7, dtype=torch.long)), 1)
+    with torch.no_grad():
+        plain = model(ids).logits
+        pad = model(padded, attention_mask=mask).logits[:, 3:]
+        torch.testing.assert_close(pad, plain, rtol=1e-4, atol=1e-5)
+        out = model(ids[:, :4], use_cache=True)
+        cache = out.cache
+        cache.activate_past_recording()
+        model(ids[:, 4:], cache=cache)
+        cache.crop(-3)  # roll back the last 3 tokens and continue: as if they had never been seen
+        again = model(ids[:, 4:], cache=cache).logits
+    torch.testing.assert_close(again, plain[:, 4:], rtol=1e-4, atol=1e-5)
+
+
+def test_k3_packed_documents_equal_separate_forwards():
+    model = k3_model()
+    a = torch.randint(1, VOCAB, (1, 5), generator=torch.Generator().manual_seed(7))
+    b = torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(8))
+    pos = torch.cat((torch.arange(5), torch.arange(6)))[None]
+    with torch.no_grad():
+        packed = model(torch.cat((a, b), 1), position_ids=pos).logits
+        sep = torch.cat((model(a).logits, model(b).logits), 1)
+    torch.testing.assert_close(packed, sep, rtol=1e-4, atol=1e-5)
+
+
+def test_k3_greedy_generate_matches_its_own_full_forward():
+    model = k3_model()
+    ids = torch.randint(3, VOCAB, (2, 5), generator=torch.Generator().manual_seed(9))
+    out = model.generate(ids, max_new_tokens=6, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    with torch.no_grad():
+        full = model(out.sequences).logits[:, 4:-1]
+    torch.testing.assert_close(torch.stack(out.logits, 1), full, rtol=1e-4, atol=1e-5)
+    assert torch.equal(out.sequences[:, 5:], full.argmax(-1))
+
+
+def test_k3_trains_and_gradients_reach_every_parameter():
+    model = k3_model().train()
+    ids = torch.randint(1, VOCAB, (2, 10), generator=torch.Generator().manual_seed(10))
+    model(ids, labels=ids).loss.backward()
+    dead = [n for n, p in model.named_parameters() if p.requires_grad and (p.grad is None or not p.grad.any())]
+    # routed experts a batch does not choose get no gradient, nor layer 0's first read (one source: its softmax is
+    # 1 whatever the query, as in K3, which ships these tensors too); everything else must
+    assert all(".experts." in n or n.startswith("model.layers.0.self_attention_res_") for n in dead), dead
+    assert any(n.startswith("model.layers.0.self_attention_res_") for n in dead)
+
+
+# --------------------------------------------------------------------------------------------------
+# MXFP4 experts as stored
+# --------------------------------------------------------------------------------------------------
+
+def test_mxfp4_dequantisation_equals_the_reference_and_known_bytes():
+    w = torch.randn(8, 64, generator=torch.Generator().manual_seed(0))
+    packed, scale = ref.quantize_mxfp4(w)
+    torch.testing.assert_close(dequantize_mxfp4(packed, scale).double(), ref.dequantize_mxfp4(packed, scale).double(),
+                               rtol=0, atol=0)
+    one = torch.full((1, 16), 0x21, dtype=torch.uint8)  # low nibble 1 (0.5), high nibble 2 (1.0)
+    got = dequantize_mxfp4(one, torch.tensor([[127]], dtype=torch.uint8))
+    assert got[0, :4].tolist() == [0.5, 1.0, 0.5, 1.0]
+
+
+def test_mxfp4_experts_compute_from_the_stored_bytes():
+    """A K3 model with MXFP4 experts equals the reference fed the same packed bytes, and holds the experts as uint8
+    (a quarter of bf16's bytes plus one scale byte per 32 weights)."""
+    model = k3_model(quantization_config=k3_quantization_config()).double()
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, MXFP4Linear):
+                w = torch.randn(m.out_features, m.in_features, generator=gen) * 0.3
+                m.weight_packed, m.weight_scale = ref.quantize_mxfp4(w)
+    expert = model.model.layers[1].block_sparse_moe.experts[0]
+    assert expert.w1.weight_packed.dtype == torch.uint8 and not list(expert.parameters())
+    ids = torch.randint(1, VOCAB, (1, 9), generator=torch.Generator().manual_seed(12))
+    with torch.no_grad():
+        got = model(ids).logits
+    torch.testing.assert_close(got, reference_logits(model, ids), **F64_TOL)
+
+
+@pytest.mark.parametrize("bad", ["nan-scale", "shape"])
+def test_a_bad_mxfp4_tensor_is_refused_before_anything_is_loaded(bad):
+    model = k3_model(quantization_config=k3_quantization_config())
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    key = "model.layers.1.block_sparse_moe.experts.0.w1.weight_scale"
+    if bad == "nan-scale":
+        sd[key][0, 0] = 255
+        match = "255"
+    else:
+        sd[key.replace("scale", "packed")] = sd[key.replace("scale", "packed")][:, :-1].clone()
+        match = "weight_packed"
+    before = model.model.layers[1].block_sparse_moe.experts[0].w1.weight_scale.clone()
+    with pytest.raises(ValueError, match=match):
+        model.load_state_dict(sd)
+    assert torch.equal(model.model.layers[1].block_sparse_moe.experts[0].w1.weight_scale, before)
+
+
+def test_k3_state_dict_is_its_inventory():
+    from kda_hybrid.conversion import kimi_inventory
+
+    model = k3_model(quantization_config=k3_quantization_config())
+    sd = model.state_dict()
+    inventory = kimi_inventory(model.config)
+    assert sorted(sd) == sorted(inventory)
+    assert all(tuple(sd[name].shape) == spec.shape for name, spec in inventory.items())
+    assert all((sd[name].dtype == torch.uint8) == spec.quantized for name, spec in inventory.items())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_k3_mxfp4_model_round_trips_through_save_and_auto_loading(tmp_path, dtype):
+    """save_pretrained, then AutoModelForCausalLM with remote code (and dtype=bf16): the MXFP4 bytes load as stored
+    (uint8, never cast or expanded), every K3 field survives, the logits are the same."""
+    from transformers import AutoModelForCausalLM
+
+    model = k3_model(quantization_config=k3_quantization_config())
+    gen = torch.Generator().manual_seed(13)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, MXFP4Linear):
+                m.weight_packed, m.weight_scale = ref.quantize_mxfp4(
+                    torch.randn(m.out_features, m.in_features, generator=gen) * 0.3)
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True, dtype=dtype).eval()
+    for name in ("gate_lower_bound", "use_full_rank_gate", "mla_use_output_gate", "hidden_act",
+                 "activation_situ_beta", "activation_situ_linear_beta", "routed_expert_hidden_size",
+                 "latent_moe_use_norm", "attn_res_block_size", "expert_quantization"):
+        assert getattr(loaded.config, name) == getattr(model.config, name), name
+    got_sd, want_sd = loaded.state_dict(), model.state_dict()
+    for name, want in want_sd.items():
+        if want.dtype == torch.uint8:
+            assert got_sd[name].dtype == torch.uint8 and torch.equal(got_sd[name], want), name
+    ids = torch.randint(1, VOCAB, (1, 8), generator=torch.Generator().manual_seed(14))
+    with torch.no_grad():
+        want = model.to(dtype)(ids).logits.float()
+        got = loaded(ids).logits.float()
+    assert torch.equal(got, want)  # the same weights and the same computation: bit for bit

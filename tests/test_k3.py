@@ -412,3 +412,137 @@ def test_k3_mxfp4_model_round_trips_through_save_and_auto_loading(tmp_path, dtyp
         want = model.to(dtype)(ids).logits.float()
         got = loaded(ids).logits.float()
     assert torch.equal(got, want)  # the same weights and the same computation: bit for bit
+
+
+def test_expert_and_cache_bytes_of_the_released_k3_are_its_tensors():
+    """expert_bytes / cache_bytes (the functions the README's K3 figures come from) against the released layout:
+    the MXFP4 bytes are the inventory's uint8 bytes exactly; the KDA state and MLA bytes per token are K3's."""
+    from kda_hybrid.checkpoint_kda_hybrid import cache_bytes, expert_bytes
+
+    with gzip.open(FIXTURES / "kimi_k3_text_tensors.tsv.gz", "rt") as f:
+        u8 = 0
+        for line in f:
+            name, shape, dtype = line.rstrip("\n").split("\t")
+            if dtype == "u8":
+                n = 1
+                for d in json.loads(shape):
+                    n *= d
+                u8 += n
+    config = KDAHybridConfig(**K3_CONFIG)
+    experts = expert_bytes(config)
+    assert experts["stored"] == u8
+    assert experts["weights"] == 92 * 896 * 3 * 3072 * 3584  # 92 MoE layers, 896 experts, w1 w2 w3 of 3072 x 3584
+    assert experts["bf16"] == 2 * experts["weights"]
+    cache = cache_bytes(config, "bfloat16")
+    assert (cache["kda_layers"], cache["attention_layers"]) == (69, 24)
+    assert cache["kda_state_per_layer"] == 96 * 128 * 128 * 4 + 3 * 96 * 128 * 3 * 2
+    assert cache["kv_per_token"] == 24 * (512 + 64) * 2
+
+
+def test_a_k3_model_of_any_size_builds_from_kimi_k3_and_runs_the_readme_example():
+    small = KDAHybridConfig.kimi_k3(vocab_size=2048, hidden_size=256, num_hidden_layers=8, linear_num_heads=4,
+                                    linear_head_dim=64, num_attention_heads=4, q_lora_rank=64, kv_lora_rank=64,
+                                    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128)
+    released = KDAHybridConfig(**K3_CONFIG)
+    for name in ("gate_lower_bound", "use_full_rank_gate", "mla_use_output_gate", "hidden_act",
+                 "activation_situ_beta", "activation_situ_linear_beta", "latent_moe_use_norm", "attn_res_block_size",
+                 "n_shared_experts", "rms_norm_eps"):
+        assert getattr(small, name) == getattr(released, name), name
+    assert small.routed_expert_hidden_size == 128 and small.expert_quantization is None  # trainable bf16/fp32 experts
+    model = KDAHybridForCausalLM(small).eval()
+    out = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, do_sample=False)
+    assert out.shape == (1, 6)
+
+
+# --------------------------------------------------------------------------------------------------
+# Converting a K3 checkpoint folder (the released layout, tiny shapes)
+# --------------------------------------------------------------------------------------------------
+
+def write_k3_folder(folder, *, seed=0, a_log_tail=0.0, scale_255=False):
+    """A K3 folder in the released layout at tiny shapes: the root config with MXFP4 quantization_config,
+    `language_model.` names in 3 shards with an index, A_log padded to head_dim with zeros, MXFP4 routed experts,
+    and a vision tower the text model must skip. Returns (root config, the text tensors without the prefix)."""
+    from safetensors.torch import save_file
+
+    root = copy.deepcopy(K3_CONFIG)
+    root["text_config"] = dict(k3_text_config(), quantization_config=k3_quantization_config())
+    root.update(bos_token_id=1, eos_token_id=2, pad_token_id=0)  # the tiny vocabulary's
+    text = ref.random_k3_tensors(root["text_config"], seed=seed, mxfp4=True)
+    heads, head_dim = 2, 16
+    for name in [n for n in text if n.endswith(".A_log")]:
+        padded = torch.zeros(head_dim)
+        padded[:heads] = text[name].reshape(-1)[:heads]
+        padded[heads:] = a_log_tail
+        text[name] = padded
+    if scale_255:
+        text["model.layers.1.block_sparse_moe.experts.2.w2.weight_scale"][0, 0] = 255
+    full = {"language_model." + n: t.contiguous() for n, t in text.items()}
+    full["vision_tower.encoder.blocks.0.attn.qkv.weight"] = torch.randn(12, 4)
+    full["mm_projector.proj.0.weight"] = torch.randn(4, 4)
+    names = list(full)
+    shards = [names[i::3] for i in range(3)]
+    folder.mkdir(parents=True, exist_ok=True)
+    weight_map = {}
+    for k, part in enumerate(shards, 1):
+        file = f"model-{k:05d}-of-00003.safetensors"
+        save_file({n: full[n] for n in part}, folder / file)
+        weight_map.update({n: file for n in part})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (folder / "config.json").write_text(json.dumps(root))
+    return root, text
+
+
+def test_a_k3_folder_converts_and_loads_equal_to_the_reference(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from kda_hybrid.conversion import convert
+
+    _, text = write_k3_folder(tmp_path / "k3")
+    dst = convert(tmp_path / "k3", tmp_path / "ours", progress=False)
+    model = AutoModelForCausalLM.from_pretrained(dst, trust_remote_code=True).eval()
+    assert model.config.expert_quantization == "mxfp4" and model.config.attn_res_block_size == 2
+    sd = model.state_dict()
+    for name, t in text.items():  # every text tensor arrives byte for byte (A_log without its padding)
+        got = sd[name]
+        want = t[:2].reshape(1, 1, 2, 1) if name.endswith(".A_log") else t
+        assert got.dtype == want.dtype and torch.equal(got, want), name
+    ids = torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(15))
+    with torch.no_grad():
+        got = model.double()(ids).logits
+    tensors = {k: v.double() if v.is_floating_point() else v for k, v in text.items()}
+    torch.testing.assert_close(got, ref.k3_reference_logits(tensors, dict(k3_text_config()), ids), **F64_TOL)
+
+
+def test_a_k3_conversion_lists_the_skipped_vision_tensors(tmp_path):
+    from kda_hybrid.conversion import convert
+    from kda_hybrid.conversion.publish import MANIFEST
+
+    write_k3_folder(tmp_path / "k3")
+    dst = convert(tmp_path / "k3", tmp_path / "ours", progress=False)
+    manifest = json.loads((dst / MANIFEST).read_text())
+    assert manifest["source_format"] == "kimi_k3"
+    assert manifest["skipped_tensors"] == ["mm_projector.proj.0.weight",
+                                           "vision_tower.encoder.blocks.0.attn.qkv.weight"]
+
+
+@pytest.mark.parametrize("fault, match", [
+    (dict(a_log_tail=0.5), "must be zeros"),
+    (dict(scale_255=True), "255"),
+])
+def test_a_corrupt_k3_folder_is_refused_with_nothing_written(tmp_path, fault, match):
+    from kda_hybrid.conversion import ConversionError, convert
+
+    write_k3_folder(tmp_path / "k3", **fault)
+    with pytest.raises(ConversionError, match=match):
+        convert(tmp_path / "k3", tmp_path / "ours", progress=False)
+    assert not (tmp_path / "ours").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["k3"]  # no staging folder left either
+
+
+def test_a_k3_model_is_not_written_as_kimi_linear(tmp_path):
+    from kda_hybrid.conversion import ConversionError, convert
+
+    write_k3_folder(tmp_path / "k3")
+    with pytest.raises(ConversionError, match="not implemented yet"):
+        convert(tmp_path / "k3", tmp_path / "out", target="kimi_linear", progress=False)
+    assert not (tmp_path / "out").exists()

@@ -91,6 +91,21 @@ def cache_bytes(config, dtype=None) -> dict:
     }
 
 
+def expert_bytes(config) -> dict:
+    """Bytes of the routed experts of every MoE layer, as stored (`stored`: MXFP4, one byte per two weights plus one
+    E8M0 scale byte per 32 weights, when config.expert_quantization is "mxfp4", else bf16) and as bf16 (`bf16`), with
+    `weights` their count. Each expert: w1, w3 [moe_intermediate_size, width] and w2 [width, moe_intermediate_size],
+    width = routed_expert_hidden_size (latent MoE) or hidden_size."""
+    if config.num_experts is None:
+        return {"weights": 0, "stored": 0, "bf16": 0}
+    moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
+    width = config.routed_expert_hidden_size or config.hidden_size
+    weights = moe_layers * config.num_experts * 3 * config.moe_intermediate_size * width
+    mxfp4 = weights // 2 + weights // 32
+    return {"weights": weights, "stored": mxfp4 if config.expert_quantization == "mxfp4" else 2 * weights,
+            "bf16": 2 * weights}
+
+
 def format_bytes(n: int) -> str:
     """'512 B', '1.5 KiB', '3.2 GiB': the one size format of the package (model cards, the converter, examples)."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

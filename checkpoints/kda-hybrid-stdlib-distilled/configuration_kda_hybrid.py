@@ -737,6 +737,20 @@ class KDAHybridConfig(PretrainedConfig):
             )
         return out
 
+    @classmethod
+    def kimi_k3(cls, **kwargs) -> KDAHybridConfig:
+        """A Kimi-K3-architecture config of any size: K3's switches as released (decay gate bound -5, full-rank KDA
+        and MLA output gates, SiTU-GLU with betas 4 and 25, AttnRes blocks of 12 layers, 2 shared experts, a latent
+        MoE of half the model width with its norm, rms_norm_eps 1e-5) under the sizes given; any keyword overrides.
+        Without num_experts every MLP is dense (no latent MoE)."""
+        k3 = dict(gate_lower_bound=-5.0, use_full_rank_gate=True, mla_use_output_gate=True, hidden_act="situ",
+                  activation_situ_beta=4.0, activation_situ_linear_beta=25.0, attn_res_block_size=12,
+                  rms_norm_eps=1e-5)
+        if kwargs.get("num_experts"):
+            k3.update(n_shared_experts=2, latent_moe_use_norm=True,
+                      routed_expert_hidden_size=kwargs.get("hidden_size", 1024) // 2)
+        return cls(**{**k3, **kwargs})
+
     @property
     def uses_k3_features(self) -> bool:
         """Whether any Kimi K3 switch is on (with all off, the model is Kimi Linear's, bit for bit)."""

@@ -13,9 +13,9 @@ from pathlib import Path
 from ..configuration_kda_hybrid import ALIASES, KIMI_ONLY_KEYS
 from .layout import FILE_KEYS, ConversionError, as_config
 
-KIMI_LINEAR, TRANSFORMERS, KDA_HYBRID = "kimi_linear", "transformers", "kda_hybrid"
+KIMI_LINEAR, TRANSFORMERS, KDA_HYBRID, KIMI_K3 = "kimi_linear", "transformers", "kda_hybrid", "kimi_k3"
 _READ_KEYS = (*ALIASES, *KIMI_ONLY_KEYS)  # names KDAHybridConfig reads besides its own fields
-SOURCE_FORMATS = (KIMI_LINEAR, TRANSFORMERS, KDA_HYBRID)
+SOURCE_FORMATS = (KIMI_LINEAR, TRANSFORMERS, KDA_HYBRID, KIMI_K3)
 TARGET_FORMATS = (KDA_HYBRID, KIMI_LINEAR)
 
 # Names only a transformers-native kimi_linear checkpoint uses (fused or moved tensors).
@@ -37,9 +37,11 @@ def detect_format(config: dict, tensor_names) -> str:
     """Which naming a checkpoint uses: ours, transformers' native one, or the original Hub one."""
     if config.get("model_type") == KDA_HYBRID:
         return KDA_HYBRID
+    if config.get("model_type") == KIMI_K3:
+        return KIMI_K3
     if config.get("model_type") != "kimi_linear":
         raise ConversionError(f"config.json: model_type {config.get('model_type')!r} is not a Kimi Linear model "
-                              f"(expected 'kimi_linear' or '{KDA_HYBRID}')")
+                              f"(expected 'kimi_linear', '{KIMI_K3}' or '{KDA_HYBRID}')")
     if any(marker in name for name in tensor_names for marker in _NATIVE_MARKERS):
         return TRANSFORMERS
     # transformers writes its own keys (layer_types, mlp_layer_types, linear_num_heads) into config.json;
@@ -85,6 +87,8 @@ def source_config(config: dict, source_format: str):
     """The source's config.json as our config, whatever its format."""
     if source_format == KIMI_LINEAR and "linear_attn_config" not in config:
         raise ConversionError("config.json: an original Kimi-Linear config needs 'linear_attn_config'")
+    if source_format == KIMI_K3 and "text_config" not in config:
+        raise ConversionError("config.json: a Kimi K3 config needs its 'text_config'")
     if source_format == TRANSFORMERS:
         return native_config(config)
     return as_config(config)
@@ -94,6 +98,8 @@ def source_router_semantics(config: dict, source_format: str) -> bool:
     """Default `router_weights_from_biased_scores` for a source: what its reference implementation does."""
     if source_format == KIMI_LINEAR:
         return True  # Moonshot's modeling_kimi.py gathers weights from the bias-corrected scores
+    if source_format == KIMI_K3:
+        return False  # K3's KimiMoEGate gathers from the unbiased scores
     if source_format == TRANSFORMERS:
         return False  # transformers' KimiLinearTopkRouter (and vLLM) gather from the unbiased scores
     return bool(config.get("router_weights_from_biased_scores", False))

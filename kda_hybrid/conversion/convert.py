@@ -17,6 +17,7 @@ from ..checkpoint_kda_hybrid import CARRIED_MODULES, write_checkpoint_metadata
 from .checkpoint import FolderSource, Header, MemorySink, MemorySource, ShardWriter, Source, name_list, parse_size
 from .configs import (
     KDA_HYBRID,
+    KIMI_K3,
     SOURCE_FORMATS,
     TARGET_FORMATS,
     TRANSFORMERS,
@@ -28,7 +29,18 @@ from .configs import (
     source_router_semantics,
 )
 from .from_attention import ATTENTION_SOURCES, KDAInit, is_attention_source
-from .layout import ConversionError, Group, Rule, Spec, apply_rule, identity_groups, kimi_inventory, native_groups
+from .layout import (
+    K3_VISION_PREFIXES,
+    ConversionError,
+    Group,
+    Rule,
+    Spec,
+    apply_rule,
+    identity_groups,
+    k3_groups,
+    kimi_inventory,
+    native_groups,
+)
 from .publish import (
     MANIFEST,
     Staging,
@@ -75,10 +87,14 @@ def make_plan(headers: Mapping[str, Header], groups: list[Group], inventory: dic
     unexpected = sorted(set(headers) - consumed)
     bad_shape = [f"{r.source} (expected {list(r.source_shape)}, got {list(headers[r.source].shape)})"
                  for r in rules if tuple(headers[r.source].shape) != r.source_shape]
-    bad_dtype = sorted(f"{s} ({headers[s].dtype})" for s in consumed if not headers[s].dtype.is_floating_point)
+    quantized = {r.source for r in rules if any(inventory[t].quantized for t in r.targets)}
+    bad_dtype = sorted(f"{s} ({headers[s].dtype})" for s in consumed
+                       if headers[s].dtype.is_floating_point == (s in quantized) or
+                       (s in quantized and headers[s].dtype != torch.uint8))
     problems = [p for p in (name_list("missing tensors", missing), name_list("unexpected tensors", unexpected),
                             name_list("tensors with the wrong shape", bad_shape),
-                            name_list("non-float tensors", bad_dtype)) if p]
+                            name_list("tensors of the wrong dtype (float expected; uint8 for MXFP4 experts)",
+                                      bad_dtype)) if p]
     if problems:
         raise ConversionError("the checkpoint does not match its config:\n  " + "\n  ".join(problems))
 
@@ -91,7 +107,9 @@ def make_plan(headers: Mapping[str, Header], groups: list[Group], inventory: dic
         source_dtype = headers[r.source].dtype
         for t in r.targets:
             spec = inventory[t]
-            if spec.fp32 or (spec.no_downcast and source_dtype == torch.float32):
+            if spec.quantized:  # MXFP4 bytes as stored, whatever --dtype says
+                out_dtypes[t] = torch.uint8
+            elif spec.fp32 or (spec.no_downcast and source_dtype == torch.float32):
                 out_dtypes[t] = torch.float32
             else:
                 out_dtypes[t] = dtype or source_dtype
@@ -115,10 +133,15 @@ def execute(plan: Plan, source: Source, sink, *, progress: bool = False) -> None
             with source.open(file) as get:
                 for rule in by_file[file]:
                     x = get(rule.source)
-                    for name, t in zip(rule.targets, apply_rule(rule, x)):
+                    shapes = [plan.inventory[t].shape for t in rule.targets]
+                    for name, t in zip(rule.targets, apply_rule(rule, x, shapes)):
                         expected = plan.inventory[name].shape
                         if tuple(t.shape) != expected:  # a rule bug, not a data problem: fail loudly
                             raise ConversionError(f"{name}: produced shape {list(t.shape)}, expected {list(expected)}")
+                        if plan.inventory[name].quantized and name.endswith(".weight_scale") and not t.is_meta \
+                                and bool((t == 255).any()):
+                            raise ConversionError(f"{rule.source}: an MXFP4 scale byte is 255 (NaN in E8M0); the "
+                                                  "checkpoint is corrupt (nothing was written)")
                         sink.add(name, t.to(plan.out_dtypes[name]))
                     if bar is not None:
                         bar.update(x.numel() * x.element_size())
@@ -128,8 +151,20 @@ def execute(plan: Plan, source: Source, sink, *, progress: bool = False) -> None
             bar.close()
 
 
-def _groups(source_format: str, config, inventory: dict[str, Spec]) -> list[Group]:
-    return native_groups(config, inventory) if source_format == TRANSFORMERS else identity_groups(inventory)
+def _groups(source_format: str, config, inventory: dict[str, Spec], headers) -> list[Group]:
+    if source_format == TRANSFORMERS:
+        return native_groups(config, inventory)
+    if source_format == KIMI_K3:
+        return k3_groups(inventory, headers)
+    return identity_groups(inventory)
+
+
+def _text_headers(source_format: str, headers: Mapping[str, Header]) -> tuple[dict[str, Header], list[str]]:
+    """The headers the text model consumes, and the names skipped: a K3 checkpoint's vision tower and projector."""
+    if source_format != KIMI_K3:
+        return dict(headers), []
+    skipped = sorted(n for n in headers if n.startswith(K3_VISION_PREFIXES))
+    return {n: h for n, h in headers.items() if not n.startswith(K3_VISION_PREFIXES)}, skipped
 
 
 def _resolve_dtype(dtype) -> torch.dtype | None:
@@ -154,7 +189,8 @@ def convert_state_dict(tensors: Mapping[str, torch.Tensor] | list[Mapping[str, t
     reader = MemorySource([dict(tensors)] if isinstance(tensors, Mapping) else [dict(t) for t in tensors])
     parsed = source_config(config, source)
     inventory = kimi_inventory(parsed)
-    plan = make_plan(reader.headers, _groups(source, parsed, inventory), inventory, _resolve_dtype(dtype))
+    headers, _ = _text_headers(source, reader.headers)
+    plan = make_plan(headers, _groups(source, parsed, inventory, headers), inventory, _resolve_dtype(dtype))
     sink = MemorySink()
     execute(plan, reader, sink)
     return sink.close()
@@ -215,7 +251,8 @@ def convert(src, dst, *, source: str | None = None, target: str = KDA_HYBRID, dt
     source_format = source or detect_format(raw, reader.headers)
     parsed = source_config(raw, source_format)
     inventory = kimi_inventory(parsed)
-    plan = make_plan(reader.headers, _groups(source_format, parsed, inventory), inventory, cast)
+    headers, skipped = _text_headers(source_format, reader.headers)
+    plan = make_plan(headers, _groups(source_format, parsed, inventory, headers), inventory, cast)
     biased = source_router_semantics(raw, source_format)
     if router_weights_from_biased_scores is not None:
         biased = bool(router_weights_from_biased_scores)
@@ -224,6 +261,9 @@ def convert(src, dst, *, source: str | None = None, target: str = KDA_HYBRID, dt
                 source_format, len(reader.headers), target, len(inventory), dtype_name,
                 "biased" if biased else "unbiased")
 
+    if target != KDA_HYBRID and parsed.uses_k3_features:
+        raise ConversionError(f"target: a Kimi K3 model converts to {KDA_HYBRID!r} (writing the K3 layout back is "
+                              f"not implemented yet), got {target!r}")
     # Build the output config before writing anything: a config problem must not cost a full conversion.
     if target == KDA_HYBRID:
         config = kda_hybrid_config(parsed, router_weights_from_biased_scores=biased, dtype=dtype_name)
@@ -247,6 +287,9 @@ def convert(src, dst, *, source: str | None = None, target: str = KDA_HYBRID, dt
             (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
     manifest = {"source": src.name, "source_format": source_format, "target": target, "dtype": dtype_name}
+    if skipped:  # K3's vision side: not part of the text model, listed so that nothing disappears unrecorded
+        manifest["skipped_tensors"] = skipped
+        logger.info("skipped %d vision tensors (listed in the conversion record)", len(skipped))
     _stage_and_publish(dst, dst_real, fill, carried, code, _output_bytes(plan), manifest, overwrite=overwrite)
     return dst
 

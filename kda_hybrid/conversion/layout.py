@@ -240,10 +240,40 @@ def native_groups(cfg, inventory: dict[str, Spec]) -> list[Group]:
     return groups
 
 
-def apply_rule(rule: Rule, x: torch.Tensor) -> list[torch.Tensor]:
-    """Run one rule. Outputs own their storage (safetensors refuses tensors that share memory)."""
+# Kimi K3's released layout: the text backbone under `language_model.`, a vision side the text model skips, A_log
+# stored as [n >= heads] with a zero tail (one value per head, then zeros)
+K3_TEXT_PREFIX = "language_model."
+K3_VISION_PREFIXES = ("vision_tower.", "mm_projector.")
+
+
+def k3_groups(inventory: dict[str, Spec], headers) -> list[Group]:
+    """K3 names (`language_model.` + ours) -> ours: one copy per tensor, A_log [n] -> [1, 1, H, 1] (its tail checked
+    to be zeros when the data is read). `headers` gives A_log's stored length (>= H)."""
+    groups: list[Group] = []
+    for name, spec in inventory.items():
+        source = K3_TEXT_PREFIX + name
+        if name.endswith(".A_log") and source in headers:
+            stored = tuple(headers[source].shape)
+            heads = spec.shape[2]
+            shape = stored if len(stored) == 1 and stored[0] >= heads else (heads,)
+            groups.append([[Rule("unpad_a_log", source, shape, (name,))]])
+        else:
+            groups.append([[_copy(name, spec, source)]])
+    return groups
+
+
+def apply_rule(rule: Rule, x: torch.Tensor, target_shapes=None) -> list[torch.Tensor]:
+    """Run one rule (`target_shapes`: the inventory shapes of its targets). Outputs own their storage (safetensors
+    refuses tensors that share memory)."""
     if rule.op == "copy":
         return [x]
+    if rule.op == "unpad_a_log":  # K3: [n] = the per-head values, then zeros -> [1, 1, H, 1]
+        heads = target_shapes[0][2]
+        tail = x[heads:]
+        if not x.is_meta and tail.numel() and bool(tail.ne(0).any()):
+            raise ConversionError(f"{rule.source}: entries {heads}..{x.shape[0] - 1} must be zeros (one A_log value "
+                                  f"per head for {heads} heads, then padding), got nonzero values there")
+        return [x[:heads].reshape(1, 1, heads, 1).clone()]
     if rule.op == "split_conv":  # [3*H*K, 1, W] in q, k, v order
         return [t.clone() for t in x.chunk(3, dim=0)]
     if rule.op == "split_gate_up":  # [E, 2*I, D]: rows [:I] are w1 (gate), rows [I:] are w3 (up)

@@ -829,11 +829,21 @@ def check_mxfp4(packed: torch.Tensor, scale: torch.Tensor, name: str = "weight")
 def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """MXFP4 -> [out, in] in dtype: element 2j of a row is the low nibble of byte j, 2j + 1 the high one; each run of
     32 inputs is scaled by 2 ** (scale - 127). Exact in bf16 and fp32 (a power of two times an E2M1 value)."""
-    lut = torch.tensor(_E2M1, dtype=torch.float32, device=packed.device)
-    codes = torch.stack((packed & 15, packed >> 4), -1).view(packed.shape[0], -1)  # [out, in]
-    factor = torch.exp2(scale.float() - 127.0)  # [out, in / 32]
-    w = lut[codes.long()].view(packed.shape[0], -1, MXFP4_GROUP) * factor[..., None]
-    return w.view(packed.shape[0], -1).to(dtype)
+    out = packed.shape[0]
+    # one lookup per byte: a [256, 2] table of (low, high) values in the output dtype (exact: E2M1 values and powers
+    # of two are exact in bf16, fp16 within its range, fp32); 8x faster than decoding each nibble
+    pairs = F.embedding(packed.to(torch.int32), _mxfp4_pairs(dtype, packed.device))  # [out, in / 2, 2]
+    factor = torch.exp2(scale.to(torch.float32) - 127.0).to(dtype)  # [out, in / 32]
+    w = pairs.view(out, -1, MXFP4_GROUP) * factor[..., None]
+    return w.view(out, -1)
+
+
+@functools.cache
+def _mxfp4_pairs(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[256, 2]: for each byte, the E2M1 values of its low and high nibble."""
+    lut = torch.tensor(_E2M1, dtype=torch.float32)
+    byte = torch.arange(256)
+    return torch.stack((lut[byte & 15], lut[byte >> 4]), -1).to(device=device, dtype=dtype)
 
 
 class MXFP4Linear(nn.Module):

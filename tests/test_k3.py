@@ -546,3 +546,22 @@ def test_a_k3_model_is_not_written_as_kimi_linear(tmp_path):
     with pytest.raises(ConversionError, match="not implemented yet"):
         convert(tmp_path / "k3", tmp_path / "out", target="kimi_linear", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_the_released_2_8t_layout_converts_as_meta_tensors():
+    """The whole released text inventory (497,052 tensors, 1.3 TiB of experts) through the converter's plan and
+    rules as meta tensors: every name and shape maps, A_log loses its padding, MXFP4 stays uint8; no data, so the
+    conversion's memory is what it holds per tensor, never the model."""
+    from kda_hybrid.conversion import convert_state_dict, kimi_inventory
+
+    dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32, "u8": torch.uint8}
+    with gzip.open(FIXTURES / "kimi_k3_text_tensors.tsv.gz", "rt") as f:
+        tensors = {name: torch.empty(json.loads(shape), dtype=dtypes[dtype], device="meta")
+                   for name, shape, dtype in (line.rstrip("\n").split("\t") for line in f)}
+    tensors["vision_tower.patch_embed.proj.weight"] = torch.empty(1024, 3, 14, 14, device="meta")
+    out = convert_state_dict(tensors, K3_CONFIG, source="kimi_k3")
+    inventory = kimi_inventory(K3_CONFIG)
+    assert list(out) == list(inventory)
+    assert all(tuple(out[n].shape) == spec.shape for n, spec in inventory.items())
+    assert all((out[n].dtype == torch.uint8) == spec.quantized for n, spec in inventory.items())
+    assert out["model.layers.0.self_attn.A_log"].shape == (1, 1, 96, 1)

@@ -6,7 +6,7 @@ CPU tensors. A meta-path finder that refuses `fla` makes that import fail, so th
 PyTorch fallbacks; doing it in a fresh interpreter keeps fla usable in the test process itself.
 
     from tests._native import run_native
-    [out] = run_native([model_dir], input_ids, max_new_tokens=8)   # out["logits"], out["tokens"]
+    [out] = run_native([model_dir], input_ids, max_new_tokens=8)   # out["logits"], out["tokens"], ...
 
 `model_dir` holds a config.json (original Kimi-Linear style or transformers' own) and safetensors named
 either way: transformers converts original names on load. Loading is strict: any missing, unexpected or
@@ -28,7 +28,8 @@ from kda_hybrid.bench.native import block_fla  # importing kda_hybrid binds no f
 def run_native(model_dirs, input_ids, *, max_new_tokens: int = 0, save_native_to=None,
                max_shard_size: str = "20KB", timeout: float = 600) -> list[dict]:
     """For each folder: fp32 logits of `input_ids` ([B, T] LongTensor) and, if `max_new_tokens`, the greedy
-    continuation (`generate`, cache on). One subprocess for all folders (importing transformers is most of
+    continuation (`generate`, cache on): "tokens" [B, n] and "step_logits" [B, n, V], the raw logits that chose
+    them. One subprocess for all folders (importing transformers is most of
     the cost). `save_native_to` (list of folders or None, parallel to `model_dirs`): also save each model
     with transformers' own fused names (`save_original_format=False`), in shards of `max_shard_size`."""
     from safetensors.torch import load_file, save_file
@@ -101,9 +102,11 @@ def _main(job_file: str) -> None:
         with torch.no_grad():
             out = {"logits": model(input_ids).logits.float().contiguous()}
             if spec["max_new_tokens"]:
-                tokens = model.generate(input_ids, max_new_tokens=spec["max_new_tokens"], do_sample=False,
-                                        min_new_tokens=spec["max_new_tokens"], pad_token_id=0)
-                out["tokens"] = tokens[:, input_ids.shape[1]:].contiguous()
+                gen = model.generate(input_ids, max_new_tokens=spec["max_new_tokens"], do_sample=False,
+                                     min_new_tokens=spec["max_new_tokens"], pad_token_id=0,
+                                     return_dict_in_generate=True, output_logits=True)
+                out["tokens"] = gen.sequences[:, input_ids.shape[1]:].contiguous()
+                out["step_logits"] = torch.stack(gen.logits, 1).float().contiguous()
         save_file(out, job["out"])
         if job["save_native_to"]:
             model.save_pretrained(job["save_native_to"], save_original_format=False,

@@ -1,6 +1,8 @@
-"""What the test modules share, defined once: tiny model configs and builders, prompts, KDA op inputs, the
-relative-error check and op gradients. Test modules import from here (and from _native, _fake_hub, _tokenizer),
-never from one another."""
+"""What the test modules share, defined once: tiny model configs and builders, prompts, generations compared by
+tokens and logits, KDA op inputs, the relative-error check and op gradients. Test modules import from here (and
+from _native, _fake_hub, _tokenizer), never from one another."""
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -76,6 +78,67 @@ def tiny_kimi_config(**overrides):
     }
     cfg.update(overrides)
     return cfg
+
+
+# --------------------------------------------------------------------------------------------------
+# Generations compared by tokens and logits
+# --------------------------------------------------------------------------------------------------
+
+# fp32 logits of two routes to the same tokens (cached vs uncached, batched vs alone, chunked vs whole prefill):
+# the routes order their sums differently, about 1e-6 at these sizes; test_model's cached-decode tolerance
+GENERATE_TOL = dict(rtol=1e-4, atol=1e-4)
+
+
+@dataclass
+class Generation:
+    """What one generate() call gave: `sequences` as generate returns them (prompt included, except for a call
+    from inputs_embeds), `logits` [rows, steps, V] the raw (unprocessed) logits of every step, stacked, and the
+    whole `output` of generate (its cache, attentions, ...)."""
+
+    sequences: torch.Tensor
+    logits: torch.Tensor
+    output: object = None
+
+    @property
+    def cache(self):
+        return self.output.cache
+
+    @property
+    def new(self) -> torch.Tensor:
+        """The generated tokens [rows, steps]: the last `steps` of each sequence (left padding and the prompt's
+        length drop out)."""
+        return self.sequences[:, self.sequences.shape[1] - self.logits.shape[1]:]
+
+    def row(self, i: int) -> "Generation":
+        """Row i alone, as a batch of one."""
+        return Generation(self.sequences[i:i + 1], self.logits[i:i + 1])
+
+
+def generate_with_logits(model, *args, **kwargs) -> Generation:
+    """model.generate(*args, **kwargs) with return_dict_in_generate and output_logits: the tokens and the raw
+    logits that chose them (one entry per generated token, assisted and prompt-lookup decoding included; per
+    running beam under beam search)."""
+    with torch.no_grad():
+        out = model.generate(*args, return_dict_in_generate=True, output_logits=True, **kwargs)
+    return Generation(out.sequences, torch.stack(out.logits, 1), out)
+
+
+def assert_close_where_finite(actual, expected, msg="", **tol):
+    """Non-finite at the same entries (-inf from a logits processor, NaN) and assert_close everywhere else."""
+    finite = torch.isfinite(expected)
+    assert torch.equal(torch.isfinite(actual), finite), f"{msg}: non-finite at other entries"
+    torch.testing.assert_close(actual[finite], expected[finite], msg=lambda m: f"{msg}: {m}", **tol)
+
+
+def assert_same_generation(got: Generation, want: Generation, msg="generation", **tol):
+    """Two routes to a greedy generation agree: the same generated tokens AND, step by step, the logits that chose
+    them within `tol` (GENERATE_TOL unless given). Equal tokens alone are weak: a tiny model's argmax can hide a
+    real divergence of the logits."""
+    tol = tol or GENERATE_TOL
+    assert got.new.shape == want.new.shape, f"{msg}: generated {tuple(got.new.shape)} vs {tuple(want.new.shape)}"
+    assert torch.equal(got.new, want.new), f"{msg}: tokens differ\n{got.new}\n{want.new}"
+    assert got.logits.shape == want.logits.shape, msg
+    assert_close_where_finite(got.logits, want.logits, msg=f"{msg}: logits", **tol)
 
 
 # --------------------------------------------------------------------------------------------------

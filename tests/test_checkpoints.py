@@ -30,9 +30,11 @@ SHIPPED = {"kda-hybrid-stdlib": 1.94535, "kda-hybrid-stdlib-distilled": 2.39638}
 
 
 @pytest.mark.parametrize("name", list(SHIPPED))
-def test_shipped_checkpoint_generates_python(name):
+def test_shipped_checkpoint_loads_computes_its_loss_and_generates(name):
     """A shipped checkpoint loads as a user loads it (remote code, its own tokenizer) and computes what it was
-    measured to: its loss on a stdlib-style snippet, within float tolerance of the recorded value."""
+    measured to: its loss on a stdlib-style snippet, within float tolerance of the recorded value. Greedy
+    generation with its generation_config (repetition penalty) decodes through the cache as a full forward over
+    the generated sequence computes, and picks the argmax of the processed scores."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = REPO / "checkpoints" / name
@@ -44,9 +46,13 @@ def test_shipped_checkpoint_generates_python(name):
     ids = tokenizer(snippet, return_tensors="pt").input_ids
     with torch.no_grad():
         loss = float(model(ids, labels=ids).loss)
-        out = model.generate(ids[:, :4], max_new_tokens=8, do_sample=False)
+        out = model.generate(ids[:, :4], max_new_tokens=8, do_sample=False, return_dict_in_generate=True,
+                             output_logits=True, output_scores=True)
+        full = model(out.sequences).logits[:, 3:-1]
     assert loss == pytest.approx(SHIPPED[name], rel=1e-4, abs=0), loss
-    assert out.shape == (1, 12)
+    assert out.sequences.shape == (1, 12) and torch.equal(out.sequences[:, :4], ids[:, :4])
+    torch.testing.assert_close(torch.stack(out.logits, 1), full, rtol=1e-4, atol=1e-4)  # cached decode = forward
+    assert torch.equal(out.sequences[:, 4:], torch.stack(out.scores, 1).argmax(-1))
 
 
 @pytest.mark.parametrize("name", list(SHIPPED))
@@ -157,7 +163,7 @@ def test_carried_modules_import_no_circle_and_the_model_no_private_names():
 @pytest.mark.parametrize("name", ["kda-hybrid-stdlib", "kda-hybrid-stdlib-distilled"])
 def test_every_folder_under_checkpoints_is_a_checkpoint(name):
     """Everything under checkpoints/ is a checkpoint: weights and an auto_map naming every Auto class (that each
-    loads and computes is test_shipped_checkpoint_generates_python; that its code is the package's,
+    loads and computes is test_shipped_checkpoint_loads_computes_its_loss_and_generates; that its code is the package's,
     test_shipped_checkpoint_code_is_the_package_code)."""
     folder = REPO / "checkpoints" / name
     assert (folder / "model.safetensors").is_file()

@@ -16,7 +16,7 @@ from kda_hybrid import KDAHybridCache, KDAHybridForCausalLM
 from kda_hybrid.cache_layers_kda_hybrid import KDALayerState
 
 from . import helpers
-from .helpers import prompt
+from .helpers import assert_same_generation, generate_with_logits, prompt
 
 # KDAHybridConfig's default routed scaling (1.0), which these tests were written with; the rest is helpers.tiny_model
 tiny_model = functools.partial(helpers.tiny_model, routed_scaling_factor=1.0)
@@ -92,7 +92,8 @@ def test_every_loading_path_equals_the_fresh_model(saved, path):
         # may split reductions differently: fp32 rounding only (measured <= 6e-8)
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-6)
     greedy = dict(max_new_tokens=4, do_sample=False)
-    assert torch.equal(loaded.generate(ids, **greedy), model.generate(ids, **greedy))
+    assert_same_generation(generate_with_logits(loaded, ids, **greedy), generate_with_logits(model, ids, **greedy),
+                           rtol=1e-5, atol=1e-6)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -207,9 +208,11 @@ def test_returned_hidden_states_are_the_graph_tensors(attention):
 def test_generate_returns_attentions_and_hidden_states():
     model = tiny_model("mla", attn_implementation="eager")
     ids = prompt(B=1, T=6)
-    out = model.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True,
-                         output_attentions=True, output_hidden_states=True)
-    assert torch.equal(out.sequences, model.generate(ids, max_new_tokens=4, do_sample=False))
+    greedy = dict(max_new_tokens=4, do_sample=False)
+    got = generate_with_logits(model, ids, output_attentions=True, output_hidden_states=True, **greedy)
+    # weights asked for: MLA decodes on its masked path instead of the latent one (test_model's path table)
+    assert_same_generation(got, generate_with_logits(model, ids, **greedy), rtol=1e-5, atol=1e-6)
+    out = got.output
     assert len(out.attentions) == len(out.hidden_states) == 4
     for step, weights in enumerate(out.attentions):
         assert len(weights) == len(model.config.full_attention_layers)
@@ -225,10 +228,11 @@ def test_assisted_generation_returns_the_attentions_of_greedy(mode):
     model = tiny_model("mla", attn_implementation="eager")
     kw = dict(assistant_model=tiny_model("mla", seed=1, attn_implementation="eager")) if mode == "assistant" else mode
     ids = prompt(B=1, T=9)
-    common = dict(max_new_tokens=5, do_sample=False, return_dict_in_generate=True, output_attentions=True)
-    greedy = model.generate(ids, **common)
-    assisted = model.generate(ids, **common, **kw)
-    assert torch.equal(assisted.sequences, greedy.sequences)
+    common = dict(max_new_tokens=5, do_sample=False, output_attentions=True)
+    greedy = generate_with_logits(model, ids, **common)
+    assisted = generate_with_logits(model, ids, **common, **kw)
+    assert_same_generation(assisted, greedy, rtol=1e-5, atol=1e-6)  # the attentions' tolerance below
+    greedy, assisted = greedy.output, assisted.output
     assert len(assisted.attentions) == len(greedy.attentions) == 5
     for step, (a, g) in enumerate(zip(assisted.attentions, greedy.attentions)):
         assert len(a) == len(g) == len(model.config.full_attention_layers)
@@ -414,10 +418,10 @@ def test_kda_only_model_continues_a_cache_through_generate(with_mask):
     kw = dict(max_new_tokens=7, do_sample=False)
     if with_mask:  # explicit: generate would read a generated pad token (id 0) as padding in the fresh run
         kw["attention_mask"] = torch.ones_like(ids)
-    resumed = model.generate(ids, cache=first.cache, **kw)
-    fresh = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=7, do_sample=False)
+    resumed = generate_with_logits(model, ids, cache=first.cache, **kw)
+    fresh = generate_with_logits(model, ids, attention_mask=torch.ones_like(ids), max_new_tokens=7, do_sample=False)
     assert first.cache.get_seq_length() == ids.shape[1] + 6
-    assert torch.equal(resumed, fresh)
+    assert_same_generation(resumed, fresh)
 
 
 # --------------------------------------------------------------------------------------------------

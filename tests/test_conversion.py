@@ -14,11 +14,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from kda_hybrid import KDAHybridForCausalLM
 from kda_hybrid.conversion import ConversionError, convert, convert_state_dict, kimi_inventory
 from kda_hybrid.conversion.__main__ import main as cli_main
 
 from ._native import run_native, save_checkpoint
-from .helpers import assert_close_rel, tiny_kimi_config
+from .helpers import assert_close_rel, generate_with_logits, tiny_kimi_config
 
 # Every tensor name, shape and dtype of the real Kimi-Linear-48B-A3B checkpoint (20,493 rows, gzip: 62 KB).
 FIXTURE = Path(__file__).parent / "fixtures" / "kimi_linear_48b_a3b_tensors.tsv.gz"
@@ -468,22 +469,13 @@ def test_config_errors(tmp_path):
 # ---------------------------------------------------------------------------------------------------------
 # (b) Against transformers' native KimiLinearForCausalLM on the same weights
 # ---------------------------------------------------------------------------------------------------------
-def _model_class():
-    try:
-        from kda_hybrid.modeling_kda_hybrid import KDAHybridForCausalLM
-    except ImportError as err:  # the model lands separately from the converter
-        pytest.skip(f"kda_hybrid.modeling_kda_hybrid is not available yet ({err})")
-    return KDAHybridForCausalLM
-
-
 @pytest.mark.parametrize("cfg", [tiny_kimi_config(), VARIANT], ids=["tiny", "qlora-tied-noshared"])
 def test_model_parameters_match_inventory(cfg):
     """Our model's own state dict is exactly the inventory the converter validates against."""
     from kda_hybrid.configuration_kda_hybrid import KDAHybridConfig
 
-    model_cls = _model_class()
     with torch.device("meta"):
-        model = model_cls(KDAHybridConfig(**{k: v for k, v in cfg.items() if k != "architectures"}))
+        model = KDAHybridForCausalLM(KDAHybridConfig(**{k: v for k, v in cfg.items() if k != "architectures"}))
     state = model.state_dict()
     if cfg["tie_word_embeddings"]:  # one tensor under two names; save_pretrained writes it once
         assert model.lm_head.weight is model.model.embed_tokens.weight
@@ -494,7 +486,6 @@ def test_model_parameters_match_inventory(cfg):
 
 
 def test_logits_and_generation_match_native(tmp_path):
-    model_cls = _model_class()
     cfg = tiny_kimi_config()
     src = save_checkpoint(tmp_path / "kimi", random_state_dict(cfg, seed=1), cfg, shards=3)
     input_ids = torch.randint(3, cfg["vocab_size"], (2, 13), generator=torch.Generator().manual_seed(0))
@@ -514,17 +505,19 @@ def test_logits_and_generation_match_native(tmp_path):
     }
     scale = ref["logits"].abs().max()
     for label, folder in outputs.items():
-        model = model_cls.from_pretrained(folder, dtype=torch.float32).eval()
+        model = KDAHybridForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         with torch.no_grad():
             logits = model(input_ids).logits.float()
             assert_close_rel(logits, ref["logits"], rel=1e-4, name=label)
-            tokens = model.generate(input_ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
-        assert torch.equal(tokens[:, input_ids.shape[1]:], ref["tokens"]), label
+        generated = generate_with_logits(model, input_ids, max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                                         pad_token_id=0)
+        assert torch.equal(generated.new, ref["tokens"]), label
+        assert_close_rel(generated.logits, ref["step_logits"], rel=1e-4, name=f"{label}: generated logits")
 
     # The default for an original checkpoint is the Hub code's biased routing: with a non-zero router bias
     # it must give different logits from transformers' (unbiased) model, or the flag does nothing.
     biased = convert(src, tmp_path / "c", progress=False)
-    model = model_cls.from_pretrained(biased, dtype=torch.float32).eval()
+    model = KDAHybridForCausalLM.from_pretrained(biased, dtype=torch.float32).eval()
     assert model.config.router_weights_from_biased_scores is True
     with torch.no_grad():
         assert (model(input_ids).logits - ref["logits"]).abs().max() > 1e-3 * scale
@@ -532,7 +525,6 @@ def test_logits_and_generation_match_native(tmp_path):
 
 @pytest.mark.slow
 def test_output_loads_with_trust_remote_code(tmp_path):
-    _model_class()
     cfg = tiny_kimi_config()
     src = save_checkpoint(tmp_path / "kimi", random_state_dict(cfg), cfg)
     out = convert(src, tmp_path / "ours", progress=False)

@@ -13,7 +13,7 @@ from torch import nn
 
 from kda_hybrid.layers_kda_hybrid import _plain_weight
 
-from .helpers import prompt, tiny_model
+from .helpers import GENERATE_TOL, Generation, assert_same_generation, generate_with_logits, prompt, tiny_model
 
 # MLA dense and MoE (the absorbed decode path and the router), GQA dense (no absorption, RoPE)
 ARCHS = [
@@ -26,23 +26,23 @@ CONVS = ["q_conv1d", "k_conv1d", "v_conv1d"]
 
 def generate_both_ways(model, ids, n=6):
     """Greedy generate with and without the cache, and one full forward over the generated sequence.
-    Returns (cached output, uncached output, full-forward logits at the generated positions)."""
-    kw = dict(max_new_tokens=n, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    Returns (cached, uncached: helpers.Generation, full-forward logits at the generated positions)."""
+    kw = dict(max_new_tokens=n, do_sample=False)
+    cached = generate_with_logits(model, ids, **kw)
+    uncached = generate_with_logits(model, ids, use_cache=False, **kw)
     with torch.no_grad():
-        cached = model.generate(ids, **kw)
-        uncached = model.generate(ids, use_cache=False, **kw)
         full = model(input_ids=cached.sequences).logits[:, ids.shape[1] - 1 : -1]
     return cached, uncached, full
 
 
 def assert_decode_is_full_forward(model, ids, n=6):
-    """Cached greedy decode == uncached greedy decode (tokens), and every cached step's logits == the full
-    forward's. fp32 on CPU: the cached and full paths order their sums differently (recurrent vs chunked KDA,
-    latent vs expanded MLA), about 1e-6 relative at these sizes; 1e-4 is the tolerance of test_model's own
-    cached-decode checks."""
+    """Cached greedy decode == uncached greedy decode (tokens and every step's logits), and every cached step's
+    logits == the full forward's. fp32 on CPU: the cached and full paths order their sums differently (recurrent
+    vs chunked KDA, latent vs expanded MLA), about 1e-6 relative at these sizes; 1e-4 is the tolerance of
+    test_model's own cached-decode checks (helpers.GENERATE_TOL)."""
     cached, uncached, full = generate_both_ways(model, ids, n)
-    assert torch.equal(cached.sequences, uncached.sequences)
-    torch.testing.assert_close(torch.stack(cached.logits, 1), full, rtol=1e-4, atol=1e-4)
+    assert_same_generation(uncached, cached, **GENERATE_TOL)
+    torch.testing.assert_close(cached.logits, full, **GENERATE_TOL)
     return full
 
 
@@ -134,13 +134,16 @@ def _from_pretrained(path, **kw):
 
 def assert_same_outputs(model, reference, ids):
     """Offloading moves weights, it computes nothing differently: same kernels on the same shapes, so logits
-    agree to fp32 rounding (in practice bit for bit) and greedy tokens exactly."""
+    agree to fp32 rounding (in practice bit for bit), in the forward and in every cached decode step, and greedy
+    tokens exactly; the offloaded model's own cached and uncached decodes agree as in
+    assert_decode_is_full_forward."""
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=1e-6, atol=1e-6)
-        ref_cached, _, _ = generate_both_ways(reference, ids)
-        cached, uncached, full = generate_both_ways(model, ids)
-    assert torch.equal(cached.sequences, ref_cached.sequences) and torch.equal(uncached.sequences, cached.sequences)
-    torch.testing.assert_close(torch.stack(cached.logits, 1), full, rtol=1e-4, atol=1e-4)
+    ref_cached, _, _ = generate_both_ways(reference, ids)
+    cached, uncached, full = generate_both_ways(model, ids)
+    assert_same_generation(cached, ref_cached, rtol=1e-6, atol=1e-6, msg="offloaded vs in memory")
+    assert_same_generation(uncached, cached, **GENERATE_TOL, msg="uncached vs cached")
+    torch.testing.assert_close(cached.logits, full, **GENERATE_TOL)
 
 
 @pytest.mark.parametrize("attention,moe", ARCHS)
@@ -201,7 +204,7 @@ def test_dynamic_int8_generates_with_the_cache(attention, moe):
     model = torch.ao.quantization.quantize_dynamic(copy.deepcopy(float_model), {nn.Linear}, dtype=torch.qint8)
     ids = prompt(B=2, T=9)
     cached, _, full = generate_both_ways(model, ids)
-    decode = torch.stack(cached.logits, 1)
+    decode = cached.logits
     with torch.no_grad():
         float_full = float_model(cached.sequences).logits[:, ids.shape[1] - 1 : -1]
     quantisation_error = (full - float_full).abs().max()
@@ -344,10 +347,11 @@ def _distributed_worker(folder, mode):
     inputs = torch.load(f"{folder}/inputs.pt")
     with torch.no_grad():
         logits = model(input_ids=inputs["ids"]).logits
-        tokens = model.generate(inputs["ids"], max_new_tokens=6, do_sample=False)
+        out = model.generate(inputs["ids"], max_new_tokens=6, do_sample=False, return_dict_in_generate=True,
+                             output_logits=True)
     stage = [type(layer).__name__ for layer in model.model.layers]
-    torch.save({"logits": logits, "tokens": tokens, "shards": shards, "world": world, "stage": stage},
-               f"{folder}/rank{rank}.pt")
+    torch.save({"logits": logits, "tokens": out.sequences, "step_logits": torch.stack(out.logits, 1),
+                "shards": shards, "world": world, "stage": stage}, f"{folder}/rank{rank}.pt")
 
 
 def run_two_processes(model, tmp_path, ids, mode="tp"):
@@ -396,7 +400,7 @@ def test_tensor_parallel_two_processes_equal_one(attention, moe, over, tmp_path)
     ids = prompt(B=2, T=11)
     with torch.no_grad():
         reference = model(input_ids=ids).logits
-        tokens = model.generate(ids, max_new_tokens=6, do_sample=False)
+    generated = generate_with_logits(model, ids, max_new_tokens=6, do_sample=False)
     results = run_two_processes(model, tmp_path, ids)
     names = dict(model.named_parameters())
     sharded = [(name, dim) for name, dim in TP_SHARDED if name in names]
@@ -408,7 +412,7 @@ def test_tensor_parallel_two_processes_equal_one(attention, moe, over, tmp_path)
     for r in results:
         assert r["world"] == 2
         torch.testing.assert_close(r["logits"], reference, rtol=1e-5, atol=1e-5)
-        assert torch.equal(r["tokens"], tokens)
+        assert_same_generation(Generation(r["tokens"], r["step_logits"]), generated, rtol=1e-5, atol=1e-5)
 
 
 
@@ -421,14 +425,14 @@ def test_pipeline_parallel_two_stages_equal_one(tmp_path):
     ids = prompt(B=2, T=11)
     with torch.no_grad():
         reference = model(input_ids=ids).logits
-        tokens = model.generate(ids, max_new_tokens=6, do_sample=False)
+    generated = generate_with_logits(model, ids, max_new_tokens=6, do_sample=False)
     results = run_two_processes(model, tmp_path, ids, mode="pp")
     identity = "PipelineIdentityLayer"
     assert [name == identity for name in results[0]["stage"]] == [False, False, True, True]
     assert [name == identity for name in results[1]["stage"]] == [True, True, False, False]
     for r in results:
         torch.testing.assert_close(r["logits"], reference, rtol=1e-5, atol=1e-6)
-        assert torch.equal(r["tokens"], tokens)
+        assert_same_generation(Generation(r["tokens"], r["step_logits"]), generated, rtol=1e-5, atol=1e-6)
 
 # --------------------------------------------------------------------------------------------------
 # Sequence and token classification heads, through the Auto classes from a saved folder

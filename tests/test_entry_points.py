@@ -9,11 +9,16 @@ from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
 
 from kda_hybrid import KDAHybridCache
 
-from .helpers import VOCAB, prompt, tiny_model
+from .helpers import VOCAB, assert_same_generation, generate_with_logits, prompt, tiny_model
 
 
 def greedy(model, ids, n=5, **kw):
     return model.generate(ids, max_new_tokens=n, do_sample=False, **kw)
+
+
+def greedy_logits(model, ids, n=5, **kw):
+    """greedy() with the logits of every step (helpers.Generation), for assert_same_generation."""
+    return generate_with_logits(model, ids, max_new_tokens=n, do_sample=False, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +73,7 @@ def test_generate_with_a_cache_and_use_cache_false_is_an_error(model):
     assert cache.get_seq_length() == 9  # nothing ran
     with pytest.raises(ValueError, match="use_cache=False"):
         greedy(model, ids, cache=KDAHybridCache(model.config), use_cache=False)
-    assert torch.equal(greedy(model, ids, cache=cache), greedy(model, ids))  # the cache still continues
+    assert_same_generation(greedy_logits(model, ids, cache=cache), greedy_logits(model, ids))  # the cache continues
 
 
 def test_forward_returns_a_given_cache_whatever_use_cache(model):
@@ -90,8 +95,10 @@ def test_inputs_embeds_over_a_cache_hold_the_whole_sequence(layer_types):
     model = tiny_model("mla", **over)
     ids = prompt(T=13)
     embeds = model.get_input_embeddings()(ids).detach()
-    expected = greedy(model, ids)[:, 13:]
-    assert torch.equal(greedy(model, None, inputs_embeds=embeds, cache=prefilled(model, ids[:, :9])), expected)
+    expected = greedy_logits(model, ids)
+    got = greedy_logits(model, None, inputs_embeds=embeds, cache=prefilled(model, ids[:, :9]))
+    assert got.sequences.shape == (2, 5)  # from inputs_embeds generate returns the new tokens only
+    assert_same_generation(got, expected)
     for new in (embeds[:, 9:], embeds[:, :9]):  # the new tokens only; as many as the cache holds
         cache = prefilled(model, ids[:, :9])
         with pytest.raises(ValueError, match=r"inputs_embeds of shape .* with a cache holding 9 tokens.*whole "):
@@ -119,13 +126,13 @@ def test_continuous_batching_is_refused_clearly(model, call):
 def test_eos_in_one_row_pads_it_and_the_others_continue_as_alone(model):
     ids = prompt()
     eos = int(greedy(model, ids, n=8)[0, ids.shape[1] + 2])  # row 0's third new token
-    out = greedy(model, ids, n=8, eos_token_id=eos, pad_token_id=0)
-    row0 = out[0, ids.shape[1]:].tolist()
+    out = greedy_logits(model, ids, n=8, eos_token_id=eos, pad_token_id=0)
+    row0 = out.new[0].tolist()
     stop = row0.index(eos)
     assert stop <= 2 and all(t == 0 for t in row0[stop + 1:]) and len(row0) == 8
-    alone = greedy(model, ids[1:], n=8, eos_token_id=eos, pad_token_id=0)
-    assert eos not in alone[0, ids.shape[1]:].tolist()
-    assert torch.equal(out[1], alone[0])
+    alone = greedy_logits(model, ids[1:], n=8, eos_token_id=eos, pad_token_id=0)
+    assert eos not in alone.new[0].tolist()
+    assert_same_generation(out.row(1), alone)  # row 1's logits, batched with a finished row, as alone
 
 
 def test_inputs_embeds_with_left_padding_equal_each_row_alone(model):
@@ -134,9 +141,10 @@ def test_inputs_embeds_with_left_padding_equal_each_row_alone(model):
     mask[1, :3] = 0
     embeds = model.get_input_embeddings()(ids).detach()
     embeds[1, :3] = float("nan")  # padding, whatever it holds, reaches no real token
-    out = greedy(model, None, inputs_embeds=embeds, attention_mask=mask, pad_token_id=0)
-    assert torch.equal(out[0], greedy(model, ids[:1])[0, 9:])
-    assert torch.equal(out[1], greedy(model, ids[1:, 3:])[0, 6:])
+    out = greedy_logits(model, None, inputs_embeds=embeds, attention_mask=mask, pad_token_id=0)
+    assert out.sequences.shape == (2, 5)  # the new tokens only
+    assert_same_generation(out.row(0), greedy_logits(model, ids[:1]), msg="row 0")
+    assert_same_generation(out.row(1), greedy_logits(model, ids[1:, 3:]), msg="row 1 (3 NaN pads)")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -157,13 +165,13 @@ def test_resize_token_embeddings_then_generate_save_load(tie, new, multiple, siz
     assert logits.shape[-1] == size
     keep = min(size, VOCAB)  # the kept rows are the old ones
     torch.testing.assert_close(logits[..., :keep], before[..., :keep], rtol=1e-5, atol=1e-6)
-    generated = greedy(model, ids, n=4)
+    generated = greedy_logits(model, ids, n=4)
     model.save_pretrained(tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert loaded.config.vocab_size == size
     assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == tie
     torch.testing.assert_close(loaded(ids).logits, logits, rtol=1e-5, atol=1e-6)
-    assert torch.equal(greedy(loaded, ids, n=4), generated)
+    assert_same_generation(greedy_logits(loaded, ids, n=4), generated, rtol=1e-5, atol=1e-6)  # the logits' tolerance
 
 
 def test_resize_below_a_special_token_is_refused_before_any_change(tmp_path):

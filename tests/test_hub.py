@@ -81,12 +81,13 @@ ids = tok({prompt!r}, return_tensors="pt").input_ids
 with torch.no_grad():
     hidden = base(ids).last_hidden_state
     logits = model(ids).logits
-greedy = model.generate(ids, max_new_tokens={n}, do_sample=False)
+greedy = model.generate(ids, max_new_tokens={n}, do_sample=False, return_dict_in_generate=True, output_logits=True)
 pipe = pipeline("text-generation", model=src, trust_remote_code=True)
 ops = sys.modules[type(model).__module__.rsplit(".", 1)[0] + ".kda_ops"]
 result = dict(
     classes=[type(o).__module__ + "." + type(o).__name__ for o in (config, base, model, pipe.model)],
-    ids=ids.tolist(), hidden=hidden.double().tolist(), logits=logits.double().tolist(), greedy=greedy.tolist(),
+    ids=ids.tolist(), hidden=hidden.double().tolist(), logits=logits.double().tolist(),
+    greedy=greedy.sequences.tolist(), greedy_logits=torch.stack(greedy.logits, 1).double().tolist(),
     chat_text=tok.apply_chat_template({chat!r}, add_generation_prompt=True, tokenize=False),
     pipe_text=pipe({prompt!r}, max_new_tokens={n}, do_sample=False)[0]["generated_text"],
     pipe_chat=pipe({chat!r}, max_new_tokens={n}, do_sample=False)[0]["generated_text"],
@@ -148,7 +149,7 @@ def expected(model, tokenizer):
     pipe = pipeline("text-generation", model=model, tokenizer=tokenizer)
     return dict(
         ids=ids, hidden=hidden, logits=logits,
-        greedy=model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False),
+        greedy=helpers.generate_with_logits(model, ids, max_new_tokens=NEW_TOKENS, do_sample=False),
         chat_text=tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False),
         pipe_text=pipe(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)[0]["generated_text"],
         pipe_chat=pipe(CHAT, max_new_tokens=NEW_TOKENS, do_sample=False)[0]["generated_text"],
@@ -170,7 +171,9 @@ def assert_same_outputs(got: dict, expected: dict):
     for key in ("hidden", "logits"):
         child = torch.tensor(got[key], dtype=torch.float64)
         torch.testing.assert_close(child, expected[key].double(), rtol=0, atol=1e-6)
-    assert got["greedy"] == expected["greedy"].tolist()
+    assert got["greedy"] == expected["greedy"].sequences.tolist()
+    torch.testing.assert_close(torch.tensor(got["greedy_logits"], dtype=torch.float64),
+                               expected["greedy"].logits.double(), rtol=0, atol=1e-6)  # the logits' tolerance
     assert got["chat_text"] == expected["chat_text"]
     assert got["pipe_text"] == expected["pipe_text"]
     assert got["pipe_chat"] == expected["pipe_chat"]

@@ -14,7 +14,7 @@ import torch
 from kda_hybrid import KDAHybridCache
 from kda_hybrid.inference.long_context import prefill
 
-from .helpers import VOCAB, prompt, tiny_model
+from .helpers import VOCAB, Generation, assert_same_generation, generate_with_logits, prompt, tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -92,13 +92,16 @@ def test_generate_chunked_prefill_mla_matches_one_shot():
     """generate(prefill_chunk_size) with chunks longer than the absorbed-MLA limit (the SDPA continuation path)."""
     model = tiny_model("mla")
     ids = prompt(B=1, T=70)
-    one = model.generate(ids, max_new_tokens=8, do_sample=False)
-    assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False, prefill_chunk_size=24), one)
-    # and the helper's cache continues into generate()
+    greedy = dict(max_new_tokens=8, do_sample=False)
+    one = generate_with_logits(model, ids, **greedy)
+    assert_same_generation(generate_with_logits(model, ids, prefill_chunk_size=24, **greedy), one, **LOGITS_TOL)
+    # and the helper's cache continues into generate(): its logits pick the first token, generate the other 7
     logits, cache = prefill(model, ids, chunk_size=24)
     first = logits.argmax(-1, keepdim=True)
-    out = model.generate(torch.cat((ids, first), 1), cache=cache, max_new_tokens=7, do_sample=False)
-    assert torch.equal(out, one)
+    torch.testing.assert_close(logits, one.logits[:, 0], **LOGITS_TOL)
+    out = generate_with_logits(model, torch.cat((ids, first), 1), cache=cache, max_new_tokens=7, do_sample=False)
+    assert torch.equal(out.sequences, one.sequences)
+    assert_same_generation(out, Generation(one.sequences, one.logits[:, 1:]), **LOGITS_TOL)  # steps 2 .. 8
 
 
 def test_prefill_rejects_bad_arguments():

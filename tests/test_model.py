@@ -8,7 +8,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 from kda_hybrid import KDAHybridCache, KDAHybridForCausalLM, kda_ops, layers_kda_hybrid
 from kda_hybrid.cache_layers_kda_hybrid import KDALayerState, KVLayerState
 
-from .helpers import VOCAB, prompt, tiny_model
+from .helpers import VOCAB, assert_same_generation, generate_with_logits, prompt, tiny_model
 
 VARIANTS = [
     pytest.param("mla", False, id="mla-dense"),
@@ -20,6 +20,11 @@ VARIANTS = [
 
 def greedy(model, ids, n=8, **kw):
     return model.generate(ids, max_new_tokens=n, do_sample=False, **kw)
+
+
+def greedy_logits(model, ids, n=8, **kw):
+    """greedy() with the logits of every step (helpers.Generation), for assert_same_generation."""
+    return generate_with_logits(model, ids, max_new_tokens=n, do_sample=False, **kw)
 
 
 def kda_states(cache):
@@ -110,9 +115,9 @@ def test_returned_cache_reused_for_second_turn():
     turn1, turn2 = prompt(B=1, T=12), prompt(B=1, T=6, seed=5)
     out1 = model.generate(turn1, max_new_tokens=5, do_sample=False, return_dict_in_generate=True)
     ids2 = torch.cat([out1.sequences, turn2], dim=1)
-    resumed = model.generate(ids2, cache=out1.cache, max_new_tokens=7, do_sample=False)
-    fresh = greedy(model, ids2, n=7)
-    assert torch.equal(resumed, fresh)
+    resumed = greedy_logits(model, ids2, n=7, cache=out1.cache)
+    fresh = greedy_logits(model, ids2, n=7)
+    assert_same_generation(resumed, fresh)
 
 
 def test_past_key_values_alias_and_output_fields():
@@ -157,18 +162,17 @@ def test_left_padded_batch_equals_each_row_alone(attention, moe):
     for i, r in enumerate(rows):
         ids[i, T - len(r):] = r
         mask[i, T - len(r):] = 1
-    batched = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    batched = greedy_logits(model, ids, n=8, attention_mask=mask)
     for i, r in enumerate(rows):
-        alone = greedy(model, r[None], n=8)
-        assert torch.equal(batched[i, T:], alone[0, len(r):]), f"row {i}"
+        assert_same_generation(batched.row(i), greedy_logits(model, r[None], n=8), msg=f"row {i}")
 
 
-def test_left_padding_batch_size_one_is_exact():
+def test_left_padding_batch_size_one_equals_no_padding():
     model = tiny_model("gqa")
     ids = prompt(B=1, T=7)
     padded = torch.cat([torch.zeros(1, 5, dtype=torch.long), ids], 1)
     mask = torch.cat([torch.zeros(1, 5, dtype=torch.long), torch.ones(1, 7, dtype=torch.long)], 1)
-    assert torch.equal(greedy(model, padded, attention_mask=mask)[:, 12:], greedy(model, ids)[:, 7:])
+    assert_same_generation(greedy_logits(model, padded, attention_mask=mask), greedy_logits(model, ids))
 
 
 @pytest.mark.parametrize("attention", ["mla", "gqa"])
@@ -219,7 +223,10 @@ def test_beam_search_with_cache_equals_without(attention, moe):
     model = tiny_model(attention, moe)
     ids = prompt()
     kw = dict(max_new_tokens=8, num_beams=3, do_sample=False, num_return_sequences=2)
-    assert torch.equal(model.generate(ids, **kw), model.generate(ids, use_cache=False, **kw))
+    # the returned sequences, and the raw logits of every running beam at every step (beam search's scores are
+    # cumulative log-probabilities; its logits are the model's, row b * num_beams + k for beam k of row b)
+    assert_same_generation(generate_with_logits(model, ids, **kw), generate_with_logits(model, ids, use_cache=False,
+                                                                                        **kw))
 
 
 def test_sampling_with_seed_is_reproducible():
@@ -240,24 +247,23 @@ def test_assisted_decoding_equals_greedy(attention, moe):
     model = tiny_model(attention, moe)
     draft = tiny_model(attention, False, seed=7, num_hidden_layers=2, hidden_size=32)
     ids = prompt(B=1, T=10)
-    expected = greedy(model, ids, n=15)
-    assisted = greedy(model, ids, n=15, assistant_model=draft)
-    assert torch.equal(assisted, expected)
+    # assisted decoding returns the target model's logits of each accepted token, from its verification forward
+    # over the draft's candidates: another route than greedy's one token per step
+    assert_same_generation(greedy_logits(model, ids, n=15, assistant_model=draft), greedy_logits(model, ids, n=15))
 
 
 def test_assisted_decoding_with_the_model_as_its_own_draft():
     """Every draft token is accepted: exercises rollback of zero tokens and long accepted runs."""
     model = tiny_model()
     ids = prompt(B=1, T=6)
-    assert torch.equal(greedy(model, ids, n=12, assistant_model=model), greedy(model, ids, n=12))
+    assert_same_generation(greedy_logits(model, ids, n=12, assistant_model=model), greedy_logits(model, ids, n=12))
 
 
 def test_prompt_lookup_decoding_equals_greedy():
     model = tiny_model("mla", True)
     base = prompt(B=1, T=8)[0]
     ids = torch.cat([base, base[:5], base, base[:3]])[None]  # repeats give the lookup real candidates
-    expected = greedy(model, ids, n=15)
-    assert torch.equal(greedy(model, ids, n=15, prompt_lookup_num_tokens=4), expected)
+    assert_same_generation(greedy_logits(model, ids, n=15, prompt_lookup_num_tokens=4), greedy_logits(model, ids, n=15))
 
 
 def test_pipeline_text_generation(tmp_path):
@@ -303,7 +309,8 @@ def test_save_and_load_round_trip(tmp_path):
             torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-6)
     assert AutoConfig.from_pretrained(tmp_path).model_type == "kda_hybrid"
     assert type(AutoModel.from_pretrained(tmp_path)).__name__ == "KDAHybridModel"
-    assert torch.equal(greedy(loaded, ids), greedy(model, ids))
+    # the same computation at other memory alignments, as the logits above: their tolerance
+    assert_same_generation(greedy_logits(loaded, ids), greedy_logits(model, ids), rtol=1e-5, atol=1e-6)
 
 
 def test_fp32_parameters_survive_casting(tmp_path):
@@ -344,7 +351,12 @@ def test_gradients_finite_and_checkpointing_matches(attention, moe):
         model.activation_checkpointing_enable()
     else:
         model.gradient_checkpointing_enable()
+    checkpointed = []  # every decoder layer runs through the checkpoint function (equal gradients alone would
+    for layer in model.model.layers:  # also hold if enabling it changed nothing)
+        run = layer._gradient_checkpointing_func
+        layer._gradient_checkpointing_func = lambda *a, _run=run, **k: checkpointed.append(1) or _run(*a, **k)
     ckpt = grads()
+    assert len(checkpointed) == model.config.num_hidden_layers
     assert plain.keys() == ckpt.keys()
     for n in plain:
         torch.testing.assert_close(ckpt[n], plain[n], rtol=1e-5, atol=1e-7, msg=n)
@@ -360,12 +372,13 @@ def test_generate_with_prefill_chunk_size_equals_one_shot(attention):
     """transformers' chunked prefill runs the prompt through the cache 20 tokens at a time, left padding too."""
     model = tiny_model(attention, True)
     ids = prompt(B=1, T=50)
-    assert torch.equal(greedy(model, ids, prefill_chunk_size=20), greedy(model, ids))
+    one_shot = greedy_logits(model, ids)
+    assert_same_generation(greedy_logits(model, ids, prefill_chunk_size=20), one_shot, msg="chunked")
     padded = torch.cat([torch.zeros(1, 6, dtype=torch.long), ids], 1)
     mask = (padded != 0).long()
     mask[:, 6:] = 1
-    assert torch.equal(greedy(model, padded, attention_mask=mask, prefill_chunk_size=20)[:, 56:],
-                       greedy(model, ids)[:, 50:])
+    assert_same_generation(greedy_logits(model, padded, attention_mask=mask, prefill_chunk_size=20), one_shot,
+                           msg="left-padded, chunked")
 
 
 @pytest.mark.parametrize("attention,moe", [VARIANTS[1], VARIANTS[2]])

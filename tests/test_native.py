@@ -7,7 +7,7 @@ import torch
 from kda_hybrid import KDAHybridForCausalLM
 
 from ._native import run_native, save_checkpoint
-from .helpers import assert_close_rel, prompt, tiny_model
+from .helpers import assert_close_rel, generate_with_logits, prompt, tiny_model
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
@@ -19,9 +19,10 @@ def test_logits_and_greedy_match_native(tmp_path, moe):
     [native] = run_native([tmp_path], ids, max_new_tokens=10)
     with torch.no_grad():
         ours = model(ids).logits
-        ours_tokens = model.generate(ids, max_new_tokens=10, min_new_tokens=10, do_sample=False)[:, 70:]
+    generated = generate_with_logits(model, ids, max_new_tokens=10, min_new_tokens=10, do_sample=False)
     assert_close_rel(ours, native["logits"], rel=1e-4, name="logits")
-    assert torch.equal(ours_tokens, native["tokens"])
+    assert torch.equal(generated.new, native["tokens"])
+    assert_close_rel(generated.logits, native["step_logits"], rel=1e-4, name="logits of the generated tokens")
 
 
 def test_biased_routing_differs_from_native():

@@ -5,6 +5,7 @@ prefill, padding, rollback, packed documents) on a K3-shaped model."""
 
 import copy
 import gzip
+import inspect
 import json
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from kda_hybrid.configuration_kda_hybrid import GENERIC_KEYS, k3_quantization_co
 from kda_hybrid.layers_kda_hybrid import MXFP4Linear, dequantize_mxfp4
 
 from . import k3_reference as ref
-from .helpers import VOCAB, tiny_kimi_config
+from .helpers import VOCAB, tiny_kimi_config, tiny_model
 
 FIXTURES = Path(__file__).parent / "fixtures"
 K3_CONFIG = json.loads((FIXTURES / "kimi_k3_config.json").read_text())
@@ -543,9 +544,84 @@ def test_a_k3_model_is_not_written_as_kimi_linear(tmp_path):
     from kda_hybrid.conversion import ConversionError, convert
 
     write_k3_folder(tmp_path / "k3")
-    with pytest.raises(ConversionError, match="not implemented yet"):
+    with pytest.raises(ConversionError, match="no Kimi Linear layout"):
         convert(tmp_path / "k3", tmp_path / "out", target="kimi_linear", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_kimi_linear_model_is_not_written_as_k3(tmp_path):
+    from kda_hybrid.conversion import ConversionError, convert
+
+    tiny_model("mla", True).save_pretrained(tmp_path / "kl")
+    with pytest.raises(ConversionError, match="no K3 feature is on"):
+        convert(tmp_path / "kl", tmp_path / "out", target="kimi_k3", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def _tensors_of(folder):
+    from safetensors import safe_open
+
+    out = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            out.update({n: f.get_tensor(n) for n in f.keys()})
+    return out
+
+
+def test_k3_to_ours_and_back_is_byte_identical(tmp_path):
+    """K3 folder -> kda_hybrid -> `--to kimi_k3`: every text tensor comes back under its released name with its
+    dtype and bytes (A_log padded again with zeros, convs and o_norm fp32, MXFP4 uint8); the vision side was
+    skipped on the way in, and the text_config reads back as the same model."""
+    from kda_hybrid.conversion import convert
+    from kda_hybrid.conversion.__main__ import main as cli_main
+
+    root, _ = write_k3_folder(tmp_path / "k3")
+    ours = convert(tmp_path / "k3", tmp_path / "ours", progress=False, max_shard_size="30KB")
+    assert cli_main([str(ours), str(tmp_path / "back"), "--to", "kimi_k3", "--max-shard-size", "20KB",
+                     "--no-progress"]) == 0
+    want = {n: t for n, t in _tensors_of(tmp_path / "k3").items() if n.startswith("language_model.")}
+    got = _tensors_of(tmp_path / "back")
+    assert sorted(got) == sorted(want)
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
+        assert got[name].contiguous().view(torch.uint8).equal(t.contiguous().view(torch.uint8)), name
+    assert len(list((tmp_path / "back").glob("*.safetensors"))) > 1  # streamed into several shards
+    back = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert back["model_type"] == "kimi_k3" and "vision_config" not in back
+    assert back["text_config"]["quantization_config"] == root["text_config"]["quantization_config"]
+    fields = set(inspect.signature(KDAHybridConfig.__init__).parameters) - {"self", "kwargs"}
+    again, first = KDAHybridConfig(**back).to_dict(), KDAHybridConfig(**root).to_dict()
+    assert {k: again.get(k) for k in fields} == {k: first.get(k) for k in fields}
+    # and the written folder converts again, equal to the first conversion
+    twice = convert(tmp_path / "back", tmp_path / "twice", progress=False)
+    first_sd, twice_sd = _tensors_of(ours), _tensors_of(twice)
+    assert sorted(first_sd) == sorted(twice_sd)
+    assert all(torch.equal(first_sd[n], twice_sd[n]) for n in first_sd)
+
+
+def test_a_bf16_k3_model_written_as_k3_stores_the_released_dtypes(tmp_path):
+    from kda_hybrid.conversion import convert
+
+    config = KDAHybridConfig.kimi_k3(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, linear_num_heads=2,
+                                     linear_head_dim=16, num_attention_heads=2, q_lora_rank=32, kv_lora_rank=32,
+                                     qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, num_experts=4,
+                                     num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=64)
+    model = KDAHybridForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "ours")
+    convert(tmp_path / "ours", tmp_path / "k3", target="kimi_k3", progress=False)
+    got = _tensors_of(tmp_path / "k3")
+    sd = model.state_dict()
+    assert sorted(got) == sorted("language_model." + n for n in sd)
+    for name, t in sd.items():
+        stored = got["language_model." + name]
+        if name.endswith(".A_log"):
+            assert stored.shape == (16,) and stored.dtype == torch.float32
+            assert torch.equal(stored[:2], t.reshape(-1)) and not stored[2:].any()
+        elif name.endswith(("_conv1d.weight", ".self_attn.o_norm.weight")):
+            assert stored.dtype == torch.float32 and torch.equal(stored, t.float()), name
+        else:
+            assert stored.dtype == t.dtype and torch.equal(stored, t), name
+    assert "quantization_config" not in json.loads((tmp_path / "k3" / "config.json").read_text())["text_config"]
 
 
 def test_the_released_2_8t_layout_converts_as_meta_tensors():

@@ -16,7 +16,7 @@ from .layout import FILE_KEYS, ConversionError, as_config
 KIMI_LINEAR, TRANSFORMERS, KDA_HYBRID, KIMI_K3 = "kimi_linear", "transformers", "kda_hybrid", "kimi_k3"
 _READ_KEYS = (*ALIASES, *KIMI_ONLY_KEYS)  # names KDAHybridConfig reads besides its own fields
 SOURCE_FORMATS = (KIMI_LINEAR, TRANSFORMERS, KDA_HYBRID, KIMI_K3)
-TARGET_FORMATS = (KDA_HYBRID, KIMI_LINEAR)
+TARGET_FORMATS = (KDA_HYBRID, KIMI_LINEAR, KIMI_K3)
 
 # Names only a transformers-native kimi_linear checkpoint uses (fused or moved tensors).
 _NATIVE_MARKERS = (".self_attn.conv1d.weight", ".self_attn.forget_gate.", ".mlp.experts.gate_up_proj",
@@ -124,4 +124,22 @@ def kimi_linear_config(config, *, source_config: dict, source_format: str, dtype
     if dtype is not None:
         out.pop("dtype", None)
         out["torch_dtype"] = dtype
+    return out
+
+
+def kimi_k3_config(config, *, dtype: str | None) -> dict:
+    """The K3 root config.json to write for a K3-architecture config: its text backbone as `text_config` (with the
+    MXFP4 `quantization_config` when the experts are MXFP4), no vision_config (the text model has no vision
+    tower; a K3 source's vision tensors are skipped and listed in the conversion record)."""
+    from ..configuration_kda_hybrid import k3_quantization_config
+
+    try:
+        out = config.to_kimi_k3_dict()
+    except ValueError as err:
+        raise ConversionError(f"config.json: {err}") from None
+    text = out["text_config"]
+    if config.expert_quantization == "mxfp4":
+        text["quantization_config"] = k3_quantization_config()
+    if dtype is not None:
+        out["dtype"] = text["dtype"] = dtype
     return out

@@ -18,11 +18,13 @@ from .checkpoint import FolderSource, Header, MemorySink, MemorySource, ShardWri
 from .configs import (
     KDA_HYBRID,
     KIMI_K3,
+    KIMI_LINEAR,
     SOURCE_FORMATS,
     TARGET_FORMATS,
     TRANSFORMERS,
     detect_format,
     kda_hybrid_config,
+    kimi_k3_config,
     kimi_linear_config,
     read_config,
     source_config,
@@ -30,6 +32,7 @@ from .configs import (
 )
 from .from_attention import ATTENTION_SOURCES, KDAInit, is_attention_source
 from .layout import (
+    K3_TEXT_PREFIX,
     K3_VISION_PREFIXES,
     ConversionError,
     Group,
@@ -204,7 +207,8 @@ def convert(src, dst, *, source: str | None = None, target: str = KDA_HYBRID, dt
 
     source: "kimi_linear" (Moonshot's Hub layout), "transformers" (transformers' native kimi_linear, fused or
         saved with original names), "kda_hybrid" (ours), or None to detect it from config.json and the names.
-    target: "kda_hybrid" (ours, loads with `from_pretrained` and `trust_remote_code=True`) or "kimi_linear".
+    target: "kda_hybrid" (ours, loads with `from_pretrained` and `trust_remote_code=True`), "kimi_linear" or
+        "kimi_k3" (the released K3 text layout: `language_model.` names, A_log padded, convs and o_norm fp32).
     dtype: None/"keep" keeps each tensor's dtype; "bfloat16"/"float16"/"float32" casts. A_log, dt_bias and the
         router bias stay float32 either way.
     router_weights_from_biased_scores: routing semantics written into our config; None picks what the
@@ -261,12 +265,21 @@ def convert(src, dst, *, source: str | None = None, target: str = KDA_HYBRID, dt
                 source_format, len(reader.headers), target, len(inventory), dtype_name,
                 "biased" if biased else "unbiased")
 
-    if target != KDA_HYBRID and parsed.uses_k3_features:
-        raise ConversionError(f"target: a Kimi K3 model converts to {KDA_HYBRID!r} (writing the K3 layout back is "
-                              f"not implemented yet), got {target!r}")
+    if target == KIMI_LINEAR and parsed.uses_k3_features:
+        raise ConversionError(f"target: a Kimi K3 model has no Kimi Linear layout; write it as {KIMI_K3!r} or "
+                              f"{KDA_HYBRID!r}, got {target!r}")
+    if target == KIMI_K3 and not parsed.uses_k3_features:
+        raise ConversionError(f"target: this is a Kimi Linear model (no K3 feature is on); write it as "
+                              f"{KIMI_LINEAR!r} or {KDA_HYBRID!r}, got {target!r}")
     # Build the output config before writing anything: a config problem must not cost a full conversion.
     if target == KDA_HYBRID:
         config = kda_hybrid_config(parsed, router_weights_from_biased_scores=biased, dtype=dtype_name)
+    elif target == KIMI_K3:
+        config = kimi_k3_config(parsed, dtype=dtype_name)
+        if biased:
+            logger.warning("K3's reference code gathers router weights from the unbiased scores; this model was "
+                           "used with weights from the biased scores, so K3 engines will route it differently")
+        _k3_export_dtypes(plan)
     else:
         config = kimi_linear_config(parsed, source_config=raw, source_format=source_format, dtype=dtype_name)
         if not biased:
@@ -279,7 +292,7 @@ def convert(src, dst, *, source: str | None = None, target: str = KDA_HYBRID, dt
 
     def fill(folder: Path) -> None:
         writer = ShardWriter(folder, max_bytes)
-        execute(plan, reader, writer, progress=progress)
+        execute(plan, reader, _K3Sink(writer, parsed) if target == KIMI_K3 else writer, progress=progress)
         writer.close()
         if target == KDA_HYBRID:
             write_checkpoint_metadata(config, folder)
@@ -352,6 +365,37 @@ def _convert_attention(src: Path, dst: Path, dst_real: Path, raw: dict, reader: 
     _stage_and_publish(dst, dst_real, fill, _files_to_carry(src, same_format=False), code, tensor_bytes, manifest,
                        overwrite=overwrite)
     return dst
+
+
+# Stored in float32 in the released K3 layout whatever the rest is (K3.md §2): the KDA short convolutions and o_norm
+K3_FP32_SUFFIXES = ("_conv1d.weight", ".self_attn.o_norm.weight")
+
+
+def _k3_export_dtypes(plan: Plan) -> None:
+    """The released K3 dtypes: KDA convolutions and o_norm in float32 (a lossless upcast from bf16)."""
+    for name in plan.out_dtypes:
+        if name.endswith(K3_FP32_SUFFIXES) and plan.out_dtypes[name] != torch.uint8:
+            plan.out_dtypes[name] = torch.float32
+
+
+def k3_a_log_length(config) -> int:
+    """Entries of a stored K3 A_log: the released checkpoint pads its 96 per-head values with zeros to 128 = the
+    KDA head dim; we pad to max(heads, head dim), the released rule for every head count we know of."""
+    return max(config.linear_num_heads, config.linear_head_dim)
+
+
+class _K3Sink:
+    """Our tensors -> the released K3 layout on their way to `sink`: `language_model.` names, A_log [1, 1, H, 1] ->
+    [k3_a_log_length] with a zero tail."""
+
+    def __init__(self, sink, config):
+        self.sink, self.length = sink, k3_a_log_length(config)
+
+    def add(self, name: str, tensor: torch.Tensor):
+        if name.endswith(".A_log"):
+            values = tensor.reshape(-1)
+            tensor = torch.cat([values, values.new_zeros(self.length - values.numel())])
+        self.sink.add(K3_TEXT_PREFIX + name, tensor)
 
 
 class _CastingSink:

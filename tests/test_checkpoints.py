@@ -26,7 +26,7 @@ TEST_ONLY_TOP_LEVEL = {"kda_triton_twins.py"}  # the Triton stages' PyTorch twin
 
 # the shipped checkpoints and their loss on the snippet below, fp32 on CPU (an untrained model gives ln 2048 = 7.6;
 # the first 250-step checkpoint 3.96): a change of weights, tokenizer or model code moves it by far more than 1e-4
-SHIPPED = {"kda-hybrid-stdlib": 1.94535, "kda-hybrid-stdlib-distilled": 2.39638}
+SHIPPED = {"kda-hybrid-stdlib": 1.94535, "kda-hybrid-stdlib-distilled": 2.39638, "kda-k3-stdlib": 1.60441}
 
 
 @pytest.mark.parametrize("name", list(SHIPPED))
@@ -160,7 +160,7 @@ def test_carried_modules_import_no_circle_and_the_model_no_private_names():
         assert not private, (module, private)
 
 
-@pytest.mark.parametrize("name", ["kda-hybrid-stdlib", "kda-hybrid-stdlib-distilled"])
+@pytest.mark.parametrize("name", list(SHIPPED))
 def test_every_folder_under_checkpoints_is_a_checkpoint(name):
     """Everything under checkpoints/ is a checkpoint: weights and an auto_map naming every Auto class (that each
     loads and computes is test_shipped_checkpoint_loads_computes_its_loss_and_generates; that its code is the package's,
@@ -169,4 +169,4 @@ def test_every_folder_under_checkpoints_is_a_checkpoint(name):
     assert (folder / "model.safetensors").is_file()
     auto_map = json.loads((folder / "config.json").read_text())["auto_map"]
     assert auto_map == AUTO_MAP
-    assert {p.name for p in (REPO / "checkpoints").iterdir()} == {"kda-hybrid-stdlib", "kda-hybrid-stdlib-distilled"}
+    assert {p.name for p in (REPO / "checkpoints").iterdir()} == set(SHIPPED)

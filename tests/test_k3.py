@@ -641,3 +641,17 @@ def test_the_released_2_8t_layout_converts_as_meta_tensors():
     assert all(tuple(out[n].shape) == spec.shape for n, spec in inventory.items())
     assert all((out[n].dtype == torch.uint8) == spec.quantized for n, spec in inventory.items())
     assert out["model.layers.0.self_attn.A_log"].shape == (1, 1, 96, 1)
+
+
+def test_the_model_card_names_the_k3_features_and_only_for_k3():
+    from kda_hybrid.checkpoint_kda_hybrid import model_card
+
+    k3 = model_card(KDAHybridConfig(**K3_CONFIG))
+    for phrase in ("Kimi K3 architecture", "decay -5 * sigmoid (bounded)", "full-rank output gate",
+                   "sigmoid output gate", "SiTU-GLU (beta 4, linear beta 25)", "latent width 3584 (normed)",
+                   "MXFP4 experts", "Block Attention Residuals, blocks of 12 layers"):
+        assert phrase in k3, phrase
+    kimi = model_card(KDAHybridConfig(**tiny_kimi_config()))
+    assert "Kimi Linear architecture" in kimi and "SwiGLU" in kimi
+    for phrase in ("K3", "SiTU", "Block Attention", "output gate", "bounded", "MXFP4"):
+        assert phrase not in kimi, phrase

@@ -141,23 +141,43 @@ def _architecture_rows(config) -> list[tuple[str, str]]:
             f"GQA with RoPE (theta {config.rope_theta:g}): {config.num_attention_heads} query heads, "
             f"{config.num_key_value_heads} key/value heads, head dim {config.head_dim}"
         )
+    if config.mla_use_output_gate:
+        attention += ", sigmoid output gate"
+    glu = "SwiGLU" if config.hidden_act == "silu" else f"{config.hidden_act}-GLU"
+    if config.hidden_act == "situ":
+        glu = f"SiTU-GLU (beta {config.activation_situ_beta:g}, linear beta {config.activation_situ_linear_beta:g})"
     if config.num_experts:
-        dense = f"first {config.first_k_dense_replace} layer(s) dense SwiGLU ({config.intermediate_size}); "
+        dense = f"first {config.first_k_dense_replace} layer(s) dense {glu} ({config.intermediate_size}); "
+        latent = ""
+        if config.routed_expert_hidden_size is not None:
+            latent = (f", experts in a latent width {config.routed_expert_hidden_size}"
+                      f"{' (normed)' if config.latent_moe_use_norm else ''}")
+        stored = ", MXFP4 experts" if config.expert_quantization == "mxfp4" else ""
         mlp = (
             f"{dense if config.first_k_dense_replace else ''}MoE: {config.num_experts} routed experts, top "
             f"{config.num_experts_per_tok}, {config.n_shared_experts} shared, expert width "
-            f"{config.moe_intermediate_size}, sigmoid router, routed scale {config.routed_scaling_factor:g}"
+            f"{config.moe_intermediate_size}{latent}{stored}, sigmoid router, routed scale "
+            f"{config.routed_scaling_factor:g}"
         )
     else:
-        mlp = f"dense SwiGLU, width {config.intermediate_size}"
+        mlp = f"dense {glu}, width {config.intermediate_size}"
+    gates = []
+    if config.gate_lower_bound is not None:
+        gates.append(f"decay {config.gate_lower_bound:g} * sigmoid (bounded)")
+    if config.use_full_rank_gate:
+        gates.append("full-rank output gate")
+    kda_gates = f", {', '.join(gates)}" if gates else ""
+    residual = ("sum" if config.attn_res_block_size is None
+                else f"Block Attention Residuals, blocks of {config.attn_res_block_size} layers")
     return [
         ("Layers", f"{len(config.layer_types)}: {n_kda} KDA + {len(attention_layers)} full attention"),
         ("Layer pattern", f"{_layer_pattern(config.layer_types)} (K = KDA, A = full attention)"),
         ("Full-attention layers (1-based)", ", ".join(map(str, attention_layers)) or "none"),
         ("Hidden size", str(config.hidden_size)),
-        ("KDA heads", f"{H} heads, K = V = {K}, short conv {config.linear_conv_kernel_size}, fp32 state"),
+        ("KDA heads", f"{H} heads, K = V = {K}, short conv {config.linear_conv_kernel_size}, fp32 state{kda_gates}"),
         ("Full attention", attention),
         ("MLP", mlp),
+        ("Residual stream", residual),
         ("Vocabulary", str(config.vocab_size)),
         ("Tied embeddings", str(bool(getattr(config, "tie_word_embeddings", False)))),
     ]
@@ -180,6 +200,8 @@ def model_card(config, *, license: str = DEFAULT_LICENSE, model_id: str | None =
     name = model_id or "your-name/your-kda-model"
     title = model_id.rstrip("/").split("/")[-1] if model_id else "KDA hybrid model"
     rows = "\n".join(f"| {k} | {v} |" for k, v in _architecture_rows(config))
+    family = ("Kimi K3 architecture (arXiv 2607.24653), Kimi Linear's successor" if config.uses_k3_features
+              else "Kimi Linear architecture (arXiv 2510.26692)")
     per_token, fixed = memory["kv_per_token"], memory["kda_state"]
     lengths = (4096, 32768, 131072)
     at_length = ", ".join(f"{n // 1024}K tokens: {format_bytes(fixed + per_token * n)}" for n in lengths)
@@ -192,7 +214,7 @@ def model_card(config, *, license: str = DEFAULT_LICENSE, model_id: str | None =
 
 # {title}
 
-A hybrid causal language model in the Kimi Linear architecture (arXiv 2510.26692): most layers use Kimi Delta
+A hybrid causal language model in the {family}: most layers use Kimi Delta
 Attention (KDA), a gated delta-rule linear attention whose whole past is a fixed-size state per head, and a few
 layers keep full softmax attention with a growing KV cache.
 

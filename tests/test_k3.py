@@ -655,3 +655,77 @@ def test_the_model_card_names_the_k3_features_and_only_for_k3():
     assert "Kimi Linear architecture" in kimi and "SwiGLU" in kimi
     for phrase in ("K3", "SiTU", "Block Attention", "output gate", "bounded", "MXFP4"):
         assert phrase not in kimi, phrase
+
+
+# --------------------------------------------------------------------------------------------------
+# Independent oracle for the gate; every generate mode on K3
+# --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("with_a_log", [True, False])
+def test_the_bounded_gate_equals_fla_naive_lowerbound_gate(with_a_log):
+    from fla.ops.kda.gate import naive_kda_lowerbound_gate
+
+    from kda_hybrid.kda_torch import kda_gate
+
+    gen = torch.Generator().manual_seed(3)
+    g = torch.randn(2, 7, 3, 16, generator=gen) * 4
+    a_log = torch.rand(3, generator=gen) * 2.7 if with_a_log else None
+    dt_bias = torch.randn(3 * 16, generator=gen) * 0.5
+    want = naive_kda_lowerbound_gate(g, a_log, dt_bias, lower_bound=-5.0)
+    got = kda_gate(g, a_log, dt_bias, lower_bound=-5.0)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert (got > -5).all() and (got < 0).all()
+
+
+def _greedy(model, ids, n, **kw):
+    from .helpers import generate_with_logits
+
+    return generate_with_logits(model, ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, **kw)
+
+
+def test_k3_assisted_and_prompt_lookup_decoding_equal_greedy():
+    from .helpers import assert_same_generation
+
+    model = k3_model()
+    draft = k3_model(seed=5)
+    base = torch.randint(3, VOCAB, (1, 8), generator=torch.Generator().manual_seed(2))
+    ids = torch.cat([base, base[:, :5], base], 1)  # repeats give prompt lookup real candidates
+    plain = _greedy(model, ids, 12)
+    assert_same_generation(_greedy(model, ids, 12, assistant_model=draft), plain, msg="assisted")
+    assert_same_generation(_greedy(model, ids, 12, assistant_model=model), plain, msg="self-assisted")
+    assert_same_generation(_greedy(model, ids, 12, prompt_lookup_num_tokens=3), plain, msg="prompt lookup")
+
+
+def test_k3_beam_search_with_cache_equals_without():
+    from .helpers import assert_same_generation
+
+    model = k3_model()
+    ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(4))
+    kw = dict(num_beams=3, num_return_sequences=2)
+    assert_same_generation(_greedy(model, ids, 6, **kw), _greedy(model, ids, 6, use_cache=False, **kw))
+
+
+def test_k3_unmerged_lora_trains_and_merges_to_the_same_model():
+    peft = pytest.importorskip("peft")
+    model = k3_model().train()
+    ids = torch.randint(3, VOCAB, (2, 10), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        base = model.eval()(input_ids=ids).logits
+    model.train()
+    # KDA and MLA projections and K3's own gates, the latent MoE's down-projection and an AttnRes read
+    targets = ["q_proj", "g_proj", "o_proj", "routed_expert_down_proj", "self_attention_res_proj"]
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets,
+                                                      init_lora_weights=False))
+    wrapped = {n.rsplit(".", 1)[-1] for n, m in lora.named_modules() if hasattr(m, "lora_A")}
+    assert wrapped == set(targets)
+    before = {n: p.detach().clone() for n, p in lora.named_parameters() if p.requires_grad}
+    loss = lora(input_ids=ids, labels=ids).loss
+    loss.backward()
+    torch.optim.SGD([p for p in lora.parameters() if p.requires_grad], lr=0.1).step()
+    assert any(not torch.equal(p, before[n]) for n, p in lora.named_parameters() if p.requires_grad)
+    lora.eval()
+    with torch.no_grad():
+        unmerged = lora(input_ids=ids).logits
+        merged = lora.merge_and_unload()(input_ids=ids).logits
+    torch.testing.assert_close(merged, unmerged, rtol=1e-4, atol=1e-5)
+    assert (unmerged - base).abs().max() > 1e-2  # the adapters change the model

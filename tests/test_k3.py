@@ -729,3 +729,39 @@ def test_k3_unmerged_lora_trains_and_merges_to_the_same_model():
         merged = lora.merge_and_unload()(input_ids=ids).logits
     torch.testing.assert_close(merged, unmerged, rtol=1e-4, atol=1e-5)
     assert (unmerged - base).abs().max() > 1e-2  # the adapters change the model
+
+
+def test_k3_cache_offload_and_prefetch_give_the_same_next_step():
+    from kda_hybrid import KDAHybridCache
+
+    model = k3_model()
+    ids = torch.randint(3, VOCAB, (2, 11), generator=torch.Generator().manual_seed(9))
+    cache = KDAHybridCache(model.config)
+    with torch.no_grad():
+        model(ids, cache=cache)
+        want = model(ids[:, -1:], cache=copy.deepcopy(cache)).logits
+        for i in range(len(cache)):
+            cache.offload(i)
+        for i in range(len(cache)):
+            cache.prefetch(i)
+        assert torch.equal(model(ids[:, -1:], cache=cache).logits, want)
+
+
+def test_the_trainer_trains_a_k3_model_on_packed_documents(tmp_path):
+    from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
+
+    gen = torch.Generator().manual_seed(10)
+    docs = [{"input_ids": torch.randint(3, VOCAB, (int(n),), generator=gen).tolist()}
+            for n in torch.randint(5, 20, (12,), generator=gen)]
+    model = k3_model().train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, learning_rate=3e-3,
+                             logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0,
+                             disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=docs, data_collator=DataCollatorWithFlattening())
+    trainer.train()
+    losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+    changed = {k for k, v in model.state_dict().items() if not torch.equal(before[k], v)}
+    for part in ("g_proj", "self_attention_res_proj", "mlp_res_proj", "routed_expert_down_proj"):
+        assert any(part in k for k in changed), part

@@ -380,7 +380,8 @@ def _k3_export_dtypes(plan: Plan) -> None:
 
 def k3_a_log_length(config) -> int:
     """Entries of a stored K3 A_log: the released checkpoint pads its 96 per-head values with zeros to 128 = the
-    KDA head dim; we pad to max(heads, head dim), the released rule for every head count we know of."""
+    KDA head dim. We pad to max(heads, head dim), which reproduces the release; no source we read states the rule
+    for other shapes (reading accepts any length >= heads with a zero tail)."""
     return max(config.linear_num_heads, config.linear_head_dim)
 
 

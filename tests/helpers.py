@@ -3,6 +3,7 @@ tokens and logits, KDA op inputs, the relative-error check and op gradients. Tes
 from _native, _fake_hub, _tokenizer), never from one another."""
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -234,3 +235,28 @@ def chunk_grads(backend, args, do, ds=None, **kw):
     beta, h0); returns the six gradients (None where h0 is None)."""
     q, k, v, g, beta, h0 = args
     return op_grads(lambda: chunk_kda(q, k, v, g, beta, initial_state=h0, backend=backend, **kw), args, do, ds)[2]
+
+
+# --------------------------------------------------------------------------------------------------
+# Checkpoint folders
+# --------------------------------------------------------------------------------------------------
+
+def read_folder(folder):
+    """All tensors of a checkpoint folder (any shard layout)."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    out = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            out.update({n: f.get_tensor(n) for n in f.keys()})
+    return out
+
+
+def assert_bit_exact(actual: dict, expected: dict):
+    """The same names, and per name the same dtype, shape and bytes."""
+    assert sorted(actual) == sorted(expected)
+    for name, t in expected.items():
+        assert actual[name].dtype == t.dtype, name
+        assert actual[name].shape == t.shape, name
+        assert torch.equal(actual[name].view(torch.uint8), t.contiguous().view(torch.uint8)), name

@@ -19,7 +19,7 @@ from kda_hybrid.conversion import ConversionError, convert, convert_state_dict, 
 from kda_hybrid.conversion.__main__ import main as cli_main
 
 from ._native import run_native, save_checkpoint
-from .helpers import assert_close_rel, generate_with_logits, tiny_kimi_config
+from .helpers import assert_bit_exact, assert_close_rel, generate_with_logits, read_folder, tiny_kimi_config
 
 # Every tensor name, shape and dtype of the real Kimi-Linear-48B-A3B checkpoint (20,493 rows, gzip: 62 KB).
 FIXTURE = Path(__file__).parent / "fixtures" / "kimi_linear_48b_a3b_tensors.tsv.gz"
@@ -100,24 +100,6 @@ def to_native_names(state, cfg):
                                                                 for e in range(E)])
         out[layer + ".mlp.experts.down_proj"] = torch.stack([ws[e, "w2"] for e in range(E)])
     return out
-
-
-def read_folder(folder):
-    """All tensors of a checkpoint folder (any shard layout)."""
-    folder = Path(folder)
-    out = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        with safe_open(file, "pt") as f:
-            out.update({n: f.get_tensor(n) for n in f.keys()})
-    return out
-
-
-def assert_bit_exact(actual: dict, expected: dict):
-    assert sorted(actual) == sorted(expected)
-    for name, t in expected.items():
-        assert actual[name].dtype == t.dtype, name
-        assert actual[name].shape == t.shape, name
-        assert torch.equal(actual[name].view(torch.uint8), t.contiguous().view(torch.uint8)), name
 
 
 def leftovers(parent: Path):

@@ -17,7 +17,7 @@ from kda_hybrid.configuration_kda_hybrid import GENERIC_KEYS, k3_quantization_co
 from kda_hybrid.layers_kda_hybrid import MXFP4Linear, dequantize_mxfp4
 
 from . import k3_reference as ref
-from .helpers import VOCAB, assert_close_rel, tiny_kimi_config, tiny_model
+from .helpers import VOCAB, assert_bit_exact, assert_close_rel, read_folder, tiny_kimi_config, tiny_model
 
 FIXTURES = Path(__file__).parent / "fixtures"
 K3_CONFIG = json.loads((FIXTURES / "kimi_k3_config.json").read_text())
@@ -558,16 +558,6 @@ def test_a_kimi_linear_model_is_not_written_as_k3(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def _tensors_of(folder):
-    from safetensors import safe_open
-
-    out = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        with safe_open(file, "pt") as f:
-            out.update({n: f.get_tensor(n) for n in f.keys()})
-    return out
-
-
 def test_k3_to_ours_and_back_is_byte_identical(tmp_path):
     """K3 folder -> kda_hybrid -> `--to kimi_k3`: every text tensor comes back under its released name with its
     dtype and bytes (A_log padded again with zeros, convs and o_norm fp32, MXFP4 uint8); the vision side was
@@ -579,12 +569,8 @@ def test_k3_to_ours_and_back_is_byte_identical(tmp_path):
     ours = convert(tmp_path / "k3", tmp_path / "ours", progress=False, max_shard_size="30KB")
     assert cli_main([str(ours), str(tmp_path / "back"), "--to", "kimi_k3", "--max-shard-size", "20KB",
                      "--no-progress"]) == 0
-    want = {n: t for n, t in _tensors_of(tmp_path / "k3").items() if n.startswith("language_model.")}
-    got = _tensors_of(tmp_path / "back")
-    assert sorted(got) == sorted(want)
-    for name, t in want.items():
-        assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
-        assert got[name].contiguous().view(torch.uint8).equal(t.contiguous().view(torch.uint8)), name
+    want = {n: t for n, t in read_folder(tmp_path / "k3").items() if n.startswith("language_model.")}
+    assert_bit_exact(read_folder(tmp_path / "back"), want)
     assert len(list((tmp_path / "back").glob("*.safetensors"))) > 1  # streamed into several shards
     back = json.loads((tmp_path / "back" / "config.json").read_text())
     assert back["model_type"] == "kimi_k3" and "vision_config" not in back
@@ -594,7 +580,7 @@ def test_k3_to_ours_and_back_is_byte_identical(tmp_path):
     assert {k: again.get(k) for k in fields} == {k: first.get(k) for k in fields}
     # and the written folder converts again, equal to the first conversion
     twice = convert(tmp_path / "back", tmp_path / "twice", progress=False)
-    first_sd, twice_sd = _tensors_of(ours), _tensors_of(twice)
+    first_sd, twice_sd = read_folder(ours), read_folder(twice)
     assert sorted(first_sd) == sorted(twice_sd)
     assert all(torch.equal(first_sd[n], twice_sd[n]) for n in first_sd)
 
@@ -609,7 +595,7 @@ def test_a_bf16_k3_model_written_as_k3_stores_the_released_dtypes(tmp_path):
     model = KDAHybridForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(tmp_path / "ours")
     convert(tmp_path / "ours", tmp_path / "k3", target="kimi_k3", progress=False)
-    got = _tensors_of(tmp_path / "k3")
+    got = read_folder(tmp_path / "k3")
     sd = model.state_dict()
     assert sorted(got) == sorted("language_model." + n for n in sd)
     for name, t in sd.items():

@@ -2,6 +2,8 @@
 tokens and logits, KDA op inputs, the relative-error check and op gradients. Test modules import from here (and
 from _native, _fake_hub, _tokenizer), never from one another."""
 
+import copy
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +23,39 @@ VOCAB = 97
 TRAIN_SHAPE = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4, "linear_num_heads": 2,
                "linear_head_dim": 16, "num_attention_heads": 2, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
                "qk_rope_head_dim": 4, "v_head_dim": 8}
+
+FIXTURES = Path(__file__).parent / "fixtures"
+K3_CONFIG = json.loads((FIXTURES / "kimi_k3_config.json").read_text())
+
+
+def k3_text_config(**over):
+    """The released K3 text_config at a tiny size: 6 layers (1-based 4 and 6 MLA), D 64, 2 KDA heads of 16, MLA 2
+    heads with q-LoRA 16, 4 experts top-2 in a latent of 32, 2 shared experts, AttnRes blocks of 2 layers."""
+    text = copy.deepcopy(K3_CONFIG["text_config"])
+    text.pop("quantization_config")
+    text.update(hidden_size=64, intermediate_size=96, num_hidden_layers=6, vocab_size=VOCAB, num_attention_heads=2,
+                num_key_value_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                v_head_dim=8, num_experts=4, num_experts_per_token=2, moe_intermediate_size=32,
+                routed_expert_hidden_size=32, attn_res_block_size=2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    text["linear_attn_config"] = dict(text["linear_attn_config"], kda_layers=[1, 2, 3, 5], full_attn_layers=[4, 6],
+                                      num_heads=2, head_dim=16)
+    text.update(over)
+    return text
+
+
+def k3_model(seed=0, dtype=torch.float32, **over):
+    """A tiny K3 model with every parameter non-trivial (norms, router bias and AttnRes queries random)."""
+    torch.manual_seed(seed)
+    model = KDAHybridForCausalLM(KDAHybridConfig(**k3_text_config(**over))).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("e_score_correction_bias"):
+                p.normal_(0, 0.1)
+            elif name.endswith("_res_proj.weight"):
+                p.normal_(0, 0.5)
+    return model.to(dtype)
 
 
 def tiny_config(attention="mla", moe=False, **over):

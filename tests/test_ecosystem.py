@@ -13,7 +13,15 @@ from torch import nn
 
 from kda_hybrid.layers_kda_hybrid import _plain_weight
 
-from .helpers import GENERATE_TOL, Generation, assert_same_generation, generate_with_logits, prompt, tiny_model
+from .helpers import (
+    GENERATE_TOL,
+    Generation,
+    assert_same_generation,
+    generate_with_logits,
+    k3_model,
+    prompt,
+    tiny_model,
+)
 
 # MLA dense and MoE (the absorbed decode path and the router), GQA dense (no absorption, RoPE)
 ARCHS = [
@@ -133,30 +141,62 @@ def _from_pretrained(path, **kw):
 
 
 def assert_same_outputs(model, reference, ids):
-    """Offloading moves weights, it computes nothing differently: same kernels on the same shapes, so logits
-    agree to fp32 rounding (in practice bit for bit), in the forward and in every cached decode step, and greedy
+    """Offloading moves weights, it computes nothing differently except one route: an offloaded KDA conv runs its
+    own forward (F.conv1d), a resident one the multiply-add path, which sums the taps in another order. So logits
+    agree to fp32 rounding (measured 2e-6 at most), in the forward and in every cached decode step, and greedy
     tokens exactly; the offloaded model's own cached and uncached decodes agree as in
-    assert_decode_is_full_forward."""
+    assert_decode_is_full_forward. test_disk_offload_differs_from_resident_only_by_the_conv_route shows that
+    the conv route is the whole difference."""
     with torch.no_grad():
-        torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
     ref_cached, _, _ = generate_both_ways(reference, ids)
     cached, uncached, full = generate_both_ways(model, ids)
-    assert_same_generation(cached, ref_cached, rtol=1e-6, atol=1e-6, msg="offloaded vs in memory")
+    assert_same_generation(cached, ref_cached, rtol=1e-5, atol=1e-5, msg="offloaded vs in memory")
     assert_same_generation(uncached, cached, **GENERATE_TOL, msg="uncached vs cached")
     torch.testing.assert_close(cached.logits, full, **GENERATE_TOL)
 
 
-@pytest.mark.parametrize("attention,moe", ARCHS)
-def test_from_pretrained_disk_offload_equals_in_memory(attention, moe, tmp_path):
-    """device_map="auto" with 200 KB of CPU memory: the decoder layers go to disk (offload_folder). Compared with
-    the same checkpoint loaded in memory (a from_pretrained materialised from meta, as transformers' own offload
-    tests compare)."""
-    tiny_model(attention, moe).save_pretrained(tmp_path / "model")
+def _disk_offloaded(model, tmp_path):
+    """(in-memory, disk-offloaded) loads of `model` saved to tmp_path: device_map="auto" with 200 KB of CPU
+    memory sends the decoder layers to disk (offload_folder). The in-memory one is a from_pretrained materialised
+    from meta, as transformers' own offload tests compare."""
+    model.save_pretrained(tmp_path / "model")
     reference = _from_pretrained(tmp_path / "model")
-    model = _from_pretrained(tmp_path / "model", device_map="auto", max_memory={"cpu": "200KB"},
-                             offload_folder=tmp_path / "offload")
-    assert "disk" in set(model.hf_device_map.values())
+    offloaded = _from_pretrained(tmp_path / "model", device_map="auto", max_memory={"cpu": "200KB"},
+                                 offload_folder=tmp_path / "offload")
+    assert "disk" in set(offloaded.hf_device_map.values())
+    return reference, offloaded
+
+
+OFFLOADED = [*ARCHS, pytest.param("k3", None, id="k3")]
+
+
+def _offload_model(attention, moe):
+    return k3_model() if attention == "k3" else tiny_model(attention, moe)
+
+
+@pytest.mark.parametrize("attention,moe", OFFLOADED)
+def test_from_pretrained_disk_offload_equals_in_memory(attention, moe, tmp_path):
+    reference, model = _disk_offloaded(_offload_model(attention, moe), tmp_path)
     assert_same_outputs(model, reference, prompt(B=2, T=9))
+
+
+@pytest.mark.parametrize("attention,moe", [OFFLOADED[1], OFFLOADED[-1]])
+def test_disk_offload_differs_from_resident_only_by_the_conv_route(attention, moe, tmp_path):
+    """Forcing the resident model's KDA convs through their own forward too (a no-op forward pre-hook makes
+    _plain_weight refuse the multiply-add path) makes the disk-offloaded model bit for bit equal to it: nothing
+    else about offloading changes a value. Without the hooks the two differ (the route changes rounding)."""
+    reference, model = _disk_offloaded(_offload_model(attention, moe), tmp_path)
+    ids = prompt(B=2, T=9)
+    with torch.no_grad():
+        offloaded = model(input_ids=ids).logits
+        assert not torch.equal(offloaded, reference(input_ids=ids).logits)  # the control: the routes differ
+        for layer in reference.model.layers:
+            for name in CONVS:
+                conv = getattr(layer.self_attn, name, None)
+                if conv is not None:
+                    conv.register_forward_pre_hook(lambda module, args: None)
+        assert torch.equal(offloaded, reference(input_ids=ids).logits)
 
 
 @pytest.mark.parametrize("how", ["cpu_offload", "disk_offload", "resident"])

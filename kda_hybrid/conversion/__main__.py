@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "Qwen2 or Qwen3 checkpoint into a KDA hybrid (--layer-types). Streams one shard at a time.",
         epilog=STAGING_HELP,
     )
-    parser.add_argument("src", nargs="?", help="source checkpoint folder")
+    parser.add_argument("src", nargs="?", help="source checkpoint folder, or a Llama-family .gguf file")
     parser.add_argument("dst", nargs="?", help="output folder (must not exist unless --overwrite)")
     parser.add_argument("--clean", metavar="DIR", default=None,
                         help="remove the staging folders that killed runs left in DIR (see below), then exit")

@@ -31,6 +31,7 @@ from .configs import (
     source_router_semantics,
 )
 from .from_attention import ATTENTION_SOURCES, KDAInit, is_attention_source
+from .gguf import find_gguf, gguf_config, gguf_source
 from .layout import (
     K3_TEXT_PREFIX,
     K3_VISION_PREFIXES,
@@ -203,7 +204,7 @@ def convert(src, dst, *, source: str | None = None, target: str = KDA_HYBRID, dt
             max_shard_size: int | str = "5GB", overwrite: bool = False,
             router_weights_from_biased_scores: bool | None = None, layer_types: str | None = None,
             kda_init: KDAInit | None = None, progress: bool = True) -> Path:
-    """Convert the checkpoint folder `src` into a new folder `dst`.
+    """Convert the checkpoint `src` into a new folder `dst`.
 
     source: "kimi_linear" (Moonshot's Hub layout), "transformers" (transformers' native kimi_linear, fused or
         saved with original names), "kda_hybrid" (ours), or None to detect it from config.json and the names.
@@ -213,6 +214,8 @@ def convert(src, dst, *, source: str | None = None, target: str = KDA_HYBRID, dt
         router bias stay float32 either way.
     router_weights_from_biased_scores: routing semantics written into our config; None picks what the
         source's reference code does (original Hub code: True; transformers: False; ours: as saved).
+    src: a checkpoint folder, or a GGUF file (or a folder holding one and no config.json) of the Llama / Mistral /
+        Qwen2 / Qwen3 family (gguf.py: read through transformers' GGUF loader, tokenizer and chat template kept).
     layer_types: for a Llama / Mistral / Qwen2 / Qwen3 source (detected from config.json), one letter per layer
         ('k' = KDA, 'A' = keep the attention) or a pattern repeated to the depth, e.g. "kkkA"
         (see `from_attention`); kda_init tunes the new KDA layers' starting values.
@@ -236,19 +239,25 @@ def convert(src, dst, *, source: str | None = None, target: str = KDA_HYBRID, dt
                               f"{router_weights_from_biased_scores!r}")
     cast = _resolve_dtype(dtype)
     max_bytes = parse_size(max_shard_size)
-    if not src.is_dir():
-        raise ConversionError(f"{src}: not a folder")
-    dst_real = check_paths(src, dst)  # never the source, inside it or around it: before anything is touched
+    gguf = find_gguf(src)
+    if gguf is None and not src.is_dir():
+        raise ConversionError(f"{src}: not a folder or a .gguf file")
+    dst_real = check_paths(gguf or src, dst)  # never the source, inside it or around it: before anything is touched
     for line in recover_folder(dst_real.parent):  # what killed runs left beside DST (only ours, only dead runs')
         logger.warning("%s: %s", dst_real.parent, line)
-    check_destination(src, dst, overwrite=overwrite)
+    check_destination(gguf or src, dst, overwrite=overwrite)
 
+    attention = dict(layer_types=layer_types, target=target, cast=cast, max_bytes=max_bytes, overwrite=overwrite,
+                     kda_init=kda_init or KDAInit(), progress=progress)
+    if gguf is not None:
+        if source is not None:
+            raise ConversionError(f"source: a GGUF file is read as what its metadata says, got source={source!r}")
+        return _convert_attention(gguf, dst, dst_real, gguf_config(gguf), lambda: gguf_source(gguf, progress),
+                                  **attention)
     raw = read_config(src)
     reader = FolderSource(src)
     if is_attention_source(raw):
-        return _convert_attention(src, dst, dst_real, raw, reader, layer_types=layer_types, target=target,
-                                  cast=cast, max_bytes=max_bytes, overwrite=overwrite, kda_init=kda_init or KDAInit(),
-                                  progress=progress)
+        return _convert_attention(src, dst, dst_real, raw, lambda: (reader, None), **attention)
     if layer_types is not None:
         raise ConversionError(f"layer_types (--layer-types) applies to {'/'.join(ATTENTION_SOURCES)} sources; "
                               f"{src} is a {raw.get('model_type')!r} checkpoint, whose layer types are fixed")
@@ -330,10 +339,11 @@ def _stage_and_publish(dst: Path, dst_real: Path, fill, carried: list[Path], cod
         raise
 
 
-def _convert_attention(src: Path, dst: Path, dst_real: Path, raw: dict, reader: FolderSource, *, layer_types,
-                       target, cast, max_bytes, overwrite, kda_init, progress) -> Path:
-    """A Llama / Mistral / Qwen2 / Qwen3 folder -> a KDA hybrid (from_attention.py), staged and published as
-    every conversion is."""
+def _convert_attention(src: Path, dst: Path, dst_real: Path, raw: dict, open_source, *, layer_types, target, cast,
+                       max_bytes, overwrite, kda_init, progress) -> Path:
+    """A Llama / Mistral / Qwen2 / Qwen3 folder or GGUF file -> a KDA hybrid (from_attention.py), staged and
+    published as every conversion is. open_source() -> (Source, tokenizer to save or None: the folder's files are
+    carried instead), called once the config and the layer types are known to convert."""
     from .from_attention import AttentionConversionError, check_plan, hybrid_config, stream
 
     if target != KDA_HYBRID:
@@ -343,6 +353,10 @@ def _convert_attention(src: Path, dst: Path, dst_real: Path, raw: dict, reader: 
                               "letter per layer, 'k' = KDA and 'A' = attention, e.g. kkkA")
     try:
         config = hybrid_config(raw, layer_types)
+    except (AttentionConversionError, ValueError) as err:
+        raise ConversionError(str(err)) from None
+    reader, tokenizer = open_source()
+    try:
         shapes = check_plan(config, raw, reader.headers)
     except (AttentionConversionError, ValueError) as err:
         raise ConversionError(str(err)) from None
@@ -358,11 +372,14 @@ def _convert_attention(src: Path, dst: Path, dst_real: Path, raw: dict, reader: 
         stream(config, raw, reader, _CastingSink(writer, cast), init=kda_init, progress=progress)
         writer.close()
         write_checkpoint_metadata(config, folder)
+        if tokenizer is not None:  # a GGUF's tokenizer and chat template, as transformers reads them
+            tokenizer.save_pretrained(folder)
 
     tensor_bytes = sum(_numel(shape) * 4 for shape in shapes.values()) + 512 * len(shapes) + 2**20  # fp32 bound
     manifest = {"source": src.name, "source_format": raw["model_type"], "target": KDA_HYBRID,
                 "dtype": config.dtype, "layer_types": pattern}
-    _stage_and_publish(dst, dst_real, fill, _files_to_carry(src, same_format=False), code, tensor_bytes, manifest,
+    carried = _files_to_carry(src, same_format=False) if src.is_dir() else []
+    _stage_and_publish(dst, dst_real, fill, carried, code, tensor_bytes + (2**24 if tokenizer else 0), manifest,
                        overwrite=overwrite)
     return dst
 

@@ -27,6 +27,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
+from kda_hybrid.layers_kda_hybrid import packed_cu_seqlens
 from kda_hybrid.train.data import IGNORE_INDEX
 from kda_hybrid.train.loop import add_arguments, fit
 
@@ -51,12 +52,13 @@ def block_causal_mask(position_ids: torch.Tensor, dtype: torch.dtype) -> torch.T
         :, None]
 
 
-def teacher_forward(teacher, ids, pos):
-    """The teacher's forward on packed rows, never attending across a document boundary."""
+def teacher_forward(teacher, ids, pos, body_only=False):
+    """The teacher's forward on packed rows, never attending across a document boundary; body_only: the decoder
+    stack without the LM head."""
+    run = teacher.model if body_only else teacher
     if getattr(teacher.config, "model_type", None) == "kda_hybrid":  # handles packed position_ids itself
-        return teacher(input_ids=ids, position_ids=pos, use_cache=False)
-    return teacher(input_ids=ids, position_ids=pos, attention_mask=block_causal_mask(pos, torch.float32),
-                   use_cache=False)
+        return run(input_ids=ids, position_ids=pos, use_cache=False)
+    return run(input_ids=ids, position_ids=pos, attention_mask=block_causal_mask(pos, torch.float32), use_cache=False)
 
 
 def _hidden_arg(args, kwargs):
@@ -67,16 +69,28 @@ def _first(output):
     return output[0] if isinstance(output, tuple) else output
 
 
+class _EnoughLayers(Exception):
+    """Raised by the teacher's last needed layer: stage 1 reads nothing after it."""
+
+
 class AttentionTransfer:
     """Stage 1 loss: for every KDA layer i of the student, the teacher's layer-i attention input is fed to the
-    student's KDA layer i (a forward pre-hook swaps it in) and the squared error to the teacher's attention output is
-    summed over tokens, averaged over channels and layers."""
+    student's KDA layer i and the squared error to the teacher's attention output is summed over tokens, averaged
+    over channels and layers.
+
+    In one process the student's KDA layers are called directly on the teacher's captured inputs, and the teacher
+    runs its body only as far as the last converted layer: no student MLP, kept attention or LM head runs, and no
+    teacher layer after the last one needed (on SmolLM2 kkA: 20 KDA layers, a third of the student forward and
+    the teacher's LM head saved). Under DDP / FSDP the student runs its whole forward (the wrapper must see it)
+    and a forward pre-hook swaps the teacher's inputs in."""
 
     def __init__(self, teacher, student):
         self.teacher, self.layers = teacher.eval().requires_grad_(False), kda_layer_indices(student)
+        self.student = student
         self.inputs: dict[int, torch.Tensor] = {}
         self.targets: dict[int, torch.Tensor] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.stop_early = False
         for i in self.layers:
             t_attn = teacher.model.layers[i].self_attn
             t_attn.register_forward_pre_hook(self._keep(self.inputs, i, _hidden_arg), with_kwargs=True)
@@ -86,6 +100,11 @@ class AttentionTransfer:
             s_attn.register_forward_pre_hook(self._swap_in(i), with_kwargs=True)
             s_attn.register_forward_hook(self._keep(self.outputs, i, lambda args, kwargs, out: _first(out)),
                                          with_kwargs=True)
+        teacher.model.layers[self.layers[-1]].self_attn.register_forward_hook(self._stop)
+
+    def _stop(self, module, args, output):
+        if self.stop_early:
+            raise _EnoughLayers
 
     @staticmethod
     def _keep(store, i, pick):
@@ -105,13 +124,25 @@ class AttentionTransfer:
 
         return hook
 
-    def __call__(self, student, batch):
+    def __call__(self, model, batch):
         ids, pos = batch["input_ids"].reshape(1, -1), batch["position_ids"].reshape(1, -1)
         self.teacher.to(ids.device)
-        with torch.no_grad():
-            teacher_forward(self.teacher, ids, pos)
+        direct = model is self.student and not (torch.distributed.is_available() and torch.distributed.is_initialized())
         try:
-            student(input_ids=ids, position_ids=pos, use_cache=False)
+            with torch.no_grad():
+                self.stop_early = direct
+                try:
+                    teacher_forward(self.teacher, ids, pos, body_only=direct)
+                except _EnoughLayers:
+                    pass
+                finally:
+                    self.stop_early = False
+            if direct:
+                cu_seqlens = packed_cu_seqlens(pos)
+                for i in self.layers:
+                    self.student.model.layers[i].self_attn(hidden_states=self.inputs[i], cu_seqlens=cu_seqlens)
+            else:
+                model(input_ids=ids, position_ids=pos, use_cache=False)
             err = sum(F.mse_loss(self.outputs[i].float(), self.targets[i].float(), reduction="none").mean(-1).sum()
                       for i in self.layers) / len(self.layers)
         finally:
@@ -145,7 +176,7 @@ def build_student(args):
     if student.config.model_type != "kda_hybrid" or not kda_layer_indices(student):
         raise ValueError(f"--student {args.student}: expected a KDA hybrid with KDA layers (convert the teacher with "
                          "python -m kda_hybrid.conversion --layer-types ...)")
-    if args.stage == 1:
+    if args.stage == 1 or args.trainable == "kda":
         student.requires_grad_(False)
         for i in kda_layer_indices(student):
             student.model.layers[i].self_attn.requires_grad_(True)
@@ -167,9 +198,14 @@ def parse_args(argv=None):
     p.add_argument("--kl-weight", type=float, default=1.0, help="stage 2: weight of the KL term")
     p.add_argument("--ce-weight", type=float, default=1.0, help="stage 2: weight of the LM loss")
     p.add_argument("--lora-rank", type=int, default=0, help="stage 2: LoRA adapters of this rank (0: full model)")
+    p.add_argument("--trainable", choices=("all", "kda"), default="all",
+                   help="stage 2: train every weight, or the KDA layers only (the rest stays the teacher's, so "
+                        "the student ships as the teacher plus its KDA layers; examples/student_delta.py)")
     args = add_arguments(p).parse_args(argv)
     if args.temperature <= 0 or args.kl_weight < 0 or args.ce_weight < 0 or args.lora_rank < 0:
         p.error("--temperature must be > 0 and --kl-weight, --ce-weight, --lora-rank >= 0")
+    if args.lora_rank and args.trainable == "kda":
+        p.error("--lora-rank and --trainable kda are two different choices of what trains; pick one")
     if args.stage == 1 and args.lora_rank:
         p.error("--lora-rank applies to stage 2 (stage 1 trains the KDA layers whole)")
     if args.fsdp and args.lora_rank:

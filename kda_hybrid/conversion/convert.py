@@ -203,7 +203,7 @@ def convert_state_dict(tensors: Mapping[str, torch.Tensor] | list[Mapping[str, t
 def convert(src, dst, *, source: str | None = None, target: str = KDA_HYBRID, dtype=None,
             max_shard_size: int | str = "5GB", overwrite: bool = False,
             router_weights_from_biased_scores: bool | None = None, layer_types: str | None = None,
-            kda_init: KDAInit | None = None, progress: bool = True) -> Path:
+            kda_init: KDAInit | None = None, progress: bool = True, patch=None) -> Path:
     """Convert the checkpoint `src` into a new folder `dst`.
 
     source: "kimi_linear" (Moonshot's Hub layout), "transformers" (transformers' native kimi_linear, fused or
@@ -218,7 +218,10 @@ def convert(src, dst, *, source: str | None = None, target: str = KDA_HYBRID, dt
         Qwen2 / Qwen3 family (gguf.py: read through transformers' GGUF loader, tokenizer and chat template kept).
     layer_types: for a Llama / Mistral / Qwen2 / Qwen3 source (detected from config.json), one letter per layer
         ('k' = KDA, 'A' = keep the attention) or a pattern repeated to the depth, e.g. "kkkA"
-        (see `from_attention`); kda_init tunes the new KDA layers' starting values.
+        (see `from_attention`); kda_init tunes the new KDA layers' starting values. patch (attention sources
+        only; delta.py's rebuild): `patch.check_names(shapes)` before anything is read, `patch.apply(name,
+        tensor) -> tensor` on every output tensor, `patch.finish()` before the output is published (raise there
+        and nothing is written).
     Every source tensor must be consumed and every target tensor produced with the expected shape, else
     ConversionError names them all. Output is staged in a hidden sibling folder and swapped into place at the
     end, so `dst` is at every instant absent, the old output or the complete new one, even if the run is killed
@@ -248,7 +251,7 @@ def convert(src, dst, *, source: str | None = None, target: str = KDA_HYBRID, dt
     check_destination(gguf or src, dst, overwrite=overwrite)
 
     attention = dict(layer_types=layer_types, target=target, cast=cast, max_bytes=max_bytes, overwrite=overwrite,
-                     kda_init=kda_init or KDAInit(), progress=progress)
+                     kda_init=kda_init or KDAInit(), progress=progress, patch=patch)
     if gguf is not None:
         if source is not None:
             raise ConversionError(f"source: a GGUF file is read as what its metadata says, got source={source!r}")
@@ -258,6 +261,8 @@ def convert(src, dst, *, source: str | None = None, target: str = KDA_HYBRID, dt
     reader = FolderSource(src)
     if is_attention_source(raw):
         return _convert_attention(src, dst, dst_real, raw, lambda: (reader, None), **attention)
+    if patch is not None:
+        raise ConversionError("patch applies to Llama-family sources (a delta over a converted teacher)")
     if layer_types is not None:
         raise ConversionError(f"layer_types (--layer-types) applies to {'/'.join(ATTENTION_SOURCES)} sources; "
                               f"{src} is a {raw.get('model_type')!r} checkpoint, whose layer types are fixed")
@@ -340,7 +345,7 @@ def _stage_and_publish(dst: Path, dst_real: Path, fill, carried: list[Path], cod
 
 
 def _convert_attention(src: Path, dst: Path, dst_real: Path, raw: dict, open_source, *, layer_types, target, cast,
-                       max_bytes, overwrite, kda_init, progress) -> Path:
+                       max_bytes, overwrite, kda_init, progress, patch) -> Path:
     """A Llama / Mistral / Qwen2 / Qwen3 folder or GGUF file -> a KDA hybrid (from_attention.py), staged and
     published as every conversion is. open_source() -> (Source, tokenizer to save or None: the folder's files are
     carried instead), called once the config and the layer types are known to convert."""
@@ -360,6 +365,8 @@ def _convert_attention(src: Path, dst: Path, dst_real: Path, raw: dict, open_sou
         shapes = check_plan(config, raw, reader.headers)
     except (AttentionConversionError, ValueError) as err:
         raise ConversionError(str(err)) from None
+    if patch is not None:
+        patch.check_names(shapes)
     main = cast or reader.headers["model.embed_tokens.weight"].dtype
     config.dtype = str(main).removeprefix("torch.")
     pattern = "".join("k" if t == "linear_attention" else "A" for t in config.layer_types)
@@ -369,7 +376,10 @@ def _convert_attention(src: Path, dst: Path, dst_real: Path, raw: dict, open_sou
 
     def fill(folder: Path) -> None:
         writer = ShardWriter(folder, max_bytes)
-        stream(config, raw, reader, _CastingSink(writer, cast), init=kda_init, progress=progress)
+        sink = _CastingSink(writer if patch is None else _PatchingSink(writer, patch), cast)
+        stream(config, raw, reader, sink, init=kda_init, progress=progress)
+        if patch is not None:
+            patch.finish()
         writer.close()
         write_checkpoint_metadata(config, folder)
         if tokenizer is not None:  # a GGUF's tokenizer and chat template, as transformers reads them
@@ -414,6 +424,16 @@ class _K3Sink:
             values = tensor.reshape(-1)
             tensor = torch.cat([values, values.new_zeros(self.length - values.numel())])
         self.sink.add(K3_TEXT_PREFIX + name, tensor)
+
+
+class _PatchingSink:
+    """Hands every tensor through `patch.apply` on its way to `sink`."""
+
+    def __init__(self, sink, patch):
+        self.sink, self.patch = sink, patch
+
+    def add(self, name: str, tensor: torch.Tensor):
+        self.sink.add(name, self.patch.apply(name, tensor))
 
 
 class _CastingSink:

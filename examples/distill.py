@@ -33,8 +33,15 @@ from kda_hybrid.train.loop import add_arguments, fit
 
 
 def load(path: str):
+    """A model folder, or a GGUF file (dequantised to float32 by transformers' GGUF loader: the teacher exactly as
+    the converter read it)."""
+    from pathlib import Path
+
     from transformers import AutoModelForCausalLM
 
+    if str(path).lower().endswith(".gguf"):
+        file = Path(path)
+        return AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32)
     return AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=torch.float32)
 
 
@@ -192,7 +199,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stage", type=int, choices=(1, 2), required=True,
                    help="1: attention transfer (KDA layers only); 2: logit distillation + LM loss")
-    p.add_argument("--teacher", required=True, help="the full-attention model (any causal LM folder)")
+    p.add_argument("--teacher", required=True, help="the full-attention model (any causal LM folder, or a .gguf)")
     p.add_argument("--student", required=True, help="the KDA hybrid converted from it (or stage 1's final/)")
     p.add_argument("--temperature", type=float, default=1.0, help="stage 2: softmax temperature of the KL term")
     p.add_argument("--kl-weight", type=float, default=1.0, help="stage 2: weight of the KL term")

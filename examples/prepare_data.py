@@ -1,5 +1,6 @@
 """Build a training corpus for examples/train.py: the Python standard library's own sources (every machine with
 Python has them), a byte-level BPE tokenizer trained on it, and the token streams.
+With --pydoc, the documentation text Python ships too (pydoc_data.topics), held out by the same rule.
 
     python examples/prepare_data.py --out data/stdlib                       # stdlib corpus + a new tokenizer
     python examples/prepare_data.py --source my_repo --glob "**/*.py" \\
@@ -65,26 +66,49 @@ def train_tokenizer(texts: list[str], vocab_size: int):
                                    pad_token="<|pad|>", model_max_length=1 << 20)
 
 
-def encode_documents(tokenizer, texts: list[str]) -> np.ndarray:
-    """<|bos|> text <|eos|> per document (the tokenizer adds <|bos|>), concatenated; uint16 ids."""
+def encode_documents(tokenizer, texts: list[str], document_token: int | None = None) -> np.ndarray:
+    """<|bos|> text <|eos|> per document (the tokenizer adds <|bos|>), concatenated; uint16 ids. With
+    `document_token` (a pretrained model's separator, e.g. SmolLM2's <|endoftext|>): that token text that token,
+    no other special token added."""
     if len(tokenizer) > np.iinfo(np.uint16).max:
         raise ValueError(f"vocab of {len(tokenizer)} does not fit the uint16 token files")
+    if document_token is not None:
+        ids = tokenizer(texts, add_special_tokens=False).input_ids
+        return np.fromiter((t for doc in ids for t in (document_token, *doc, document_token)), dtype=np.uint16)
     ids = tokenizer(texts, add_special_tokens=True).input_ids
     eos = tokenizer.eos_token_id
     return np.fromiter((t for doc in ids for t in (*doc, eos)), dtype=np.uint16)
 
 
+PYDOC_TOPICS = "pydoc_data/topics.py"
+
+
+def pydoc_documents() -> list[tuple[str, str]]:
+    """(name, text) of every topic of the documentation text Python ships (pydoc_data.topics: the reference
+    manual's sections behind help('TOPIC')), in sorted order."""
+    from pydoc_data.topics import topics
+
+    return [(f"pydoc_data/topics/{key}", text) for key, text in sorted(topics.items()) if text.strip()]
+
+
 def prepare(out: Path, source: Path | None = None, pattern: str = "**/*.py", tokenizer_path: str | None = None,
-            vocab_size: int = 2048, max_files: int | None = None) -> dict:
+            vocab_size: int = 2048, max_files: int | None = None, pydoc: bool = False,
+            document_token: str | None = None) -> dict:
     root = source or stdlib_root()
     files = corpus_files(root, pattern)[:max_files]
     splits: dict[str, list[str]] = {"train": [], "val": []}
     names: dict[str, list[str]] = {"train": [], "val": []}
+    documents = []
     for f in files:
-        text = read_text(f)
+        rel = f.relative_to(root).as_posix()
+        if pydoc and rel == PYDOC_TOPICS:  # prose in a dict literal: read as the topics' text instead
+            continue
+        documents.append((rel, read_text(f)))
+    if pydoc:
+        documents += pydoc_documents()
+    for rel, text in documents:
         if not text or not text.strip():
             continue
-        rel = f.relative_to(root).as_posix()
         split = "val" if is_validation(rel) else "train"
         splits[split].append(text)
         names[split].append(rel)
@@ -97,16 +121,28 @@ def prepare(out: Path, source: Path | None = None, pattern: str = "**/*.py", tok
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=True)
     else:
         tokenizer = train_tokenizer(splits["train"], vocab_size)
+    doc_id = None
+    if document_token is not None:
+        doc_id = tokenizer.convert_tokens_to_ids(document_token)
+        if doc_id is None or tokenizer.convert_ids_to_tokens(doc_id) != document_token:
+            raise ValueError(f"--document-token {document_token!r} is not a token of the tokenizer")
     out.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(out)
     meta = {
         "source": "python-stdlib" if source is None else str(root), "pattern": pattern,
         "python": platform.python_version(), "vocab_size": len(tokenizer),
-        "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
-        "pad_token_id": tokenizer.pad_token_id, "val_percent": VAL_PERCENT,
+        # the token every document starts with: the training loop restarts positions there
+        "bos_token_id": tokenizer.bos_token_id if doc_id is None else doc_id,
+        "eos_token_id": tokenizer.eos_token_id if doc_id is None else doc_id,
+        "pad_token_id": tokenizer.pad_token_id, "val_percent": VAL_PERCENT, "pydoc": pydoc,
     }
-    for split, texts in splits.items():
-        tokens = encode_documents(tokenizer, texts)
+    parts = {"train": splits["train"], "val": splits["val"]}
+    if pydoc:  # held-out code and held-out prose apart, for the distillation report
+        prose = [n.startswith("pydoc_data/topics/") for n in names["val"]]
+        parts["val_code"] = [t for t, p in zip(splits["val"], prose) if not p]
+        parts["val_prose"] = [t for t, p in zip(splits["val"], prose) if p]
+    for split, texts in parts.items():
+        tokens = encode_documents(tokenizer, texts, doc_id)
         tokens.tofile(out / f"{split}.bin")
         meta[split] = {"files": len(texts), "bytes": sum(len(t.encode()) for t in texts), "tokens": int(tokens.size),
                        "sha1": hashlib.sha1(tokens.tobytes()).hexdigest()}
@@ -123,9 +159,15 @@ def main(argv=None):
     p.add_argument("--tokenizer", help="use this tokenizer (a checkpoint folder) instead of training one")
     p.add_argument("--vocab-size", type=int, default=2048, help="BPE vocabulary when training a tokenizer")
     p.add_argument("--max-files", type=int, help="only the first N files (quick experiments, tests)")
+    p.add_argument("--pydoc", action="store_true",
+                   help="add the documentation text Python ships (pydoc_data.topics) as prose documents, and write "
+                        "val_code.bin / val_prose.bin beside val.bin")
+    p.add_argument("--document-token", help="start and end every document with this token of the tokenizer "
+                                            "(e.g. '<|endoftext|>' for SmolLM2) instead of its bos / eos")
     args = p.parse_args(argv)
-    meta = prepare(args.out, args.source, args.glob, args.tokenizer, args.vocab_size, args.max_files)
-    for split in ("train", "val"):
+    meta = prepare(args.out, args.source, args.glob, args.tokenizer, args.vocab_size, args.max_files, args.pydoc,
+                   args.document_token)
+    for split in [k for k in ("train", "val", "val_code", "val_prose") if k in meta]:
         m = meta[split]
         print(f"{split}: {m['files']} files, {m['bytes'] / 1e6:.2f} MB, {m['tokens']:,} tokens "
               f"({m['bytes'] / m['tokens']:.2f} bytes/token)", file=sys.stderr)

@@ -86,8 +86,9 @@ def spread(values: list[float]) -> str:
     return f"{med:.2f}" if len(values) == 1 else f"{med:.2f} [{min(values):.2f}-{max(values):.2f}]"
 
 
-def versus_llama(report: Report, contestants: list[Contestant], baseline: Contestant, args) -> dict:
-    """Section 1: every contestant against `baseline` at every context; returns the raw runs."""
+def versus_llama(report: Report, contestants: list[Contestant], baseline: Contestant, args, title=None) -> dict:
+    """Section 1: every contestant against `baseline` at every context; returns the raw runs. title: the section's
+    heading (default: this script's same-size Llama)."""
     names = [c.name for c in contestants]
     runs = {c.name: {n: [] for n in args.contexts} for c in contestants}  # name -> context -> [(prefill, decode)]
     for c in contestants:  # warm-up: lazy initialisation, first-call allocations
@@ -97,9 +98,10 @@ def versus_llama(report: Report, contestants: list[Contestant], baseline: Contes
             for c in contestants:
                 runs[c.name][n].append(measure(c, prompt(c.model.config.vocab_size, n), args.steps))
     others = [c.name for c in contestants if c is not baseline]
-    report.print(f"\n## Against a same-size Llama (transformers {type(baseline.model).__name__}, "
-                 f"kda_hybrid.bench.shapes.llama_twin_6p5m): median of {args.repeats} run(s), ratios with their "
-                 f"[min-max] over runs; below 1: ours is faster\n")
+    title = title or (f"Against a same-size Llama (transformers {type(baseline.model).__name__}, "
+                      "kda_hybrid.bench.shapes.llama_twin_6p5m)")
+    report.print(f"\n## {title}: median of {args.repeats} run(s), ratios with their [min-max] over runs; below 1: "
+                 f"ours is faster\n")
     cols = ([f"prefill ms: {n}" for n in names] + [f"prefill {n} / Llama" for n in others]
             + [f"decode ms/token: {n}" for n in names] + [f"decode {n} / Llama" for n in others])
     report.print("| context | " + " | ".join(cols) + " |")

@@ -169,3 +169,35 @@ def test_stage_1_resume_after_a_stop_equals_uninterrupted(setup, tmp_path):
     assert [r["loss"] for r in log(whole) if "loss" in r] == [r["loss"] for r in log(split) if "loss" in r]
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=2e-6)
+
+
+def test_prepare_data_pydoc_holds_out_prose_apart_from_code(tmp_path):
+    """--pydoc: the documentation topics Python ships join the corpus as prose, held out by the same path rule,
+    with val_prose.bin / val_code.bin beside val.bin; --document-token starts and ends every document."""
+    from pydoc_data.topics import topics
+
+    from kda_hybrid.train.data import load_tokens
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(150):
+        (src / f"m{i:03d}.py").write_text(f"def f_{i}(x):\n    return x + {i}\n")
+    out = tmp_path / "data"
+    run_example("prepare_data.py", "--out", str(out), "--source", str(src), "--vocab-size", "300", "--pydoc",
+                "--document-token", "<|pad|>")
+    meta = json.loads((out / "meta.json").read_text())
+    held = meta["val"]["names"]
+    prose = [n for n in held if n.startswith("pydoc_data/topics/")]
+    assert prose and len(prose) < len(topics) and any(not n.startswith("pydoc_data/") for n in held)
+    assert meta["val_prose"]["files"] == len(prose) and meta["val_code"]["files"] == len(held) - len(prose)
+    assert meta["train"]["files"] == 150 + len([t for t in topics.values() if t.strip()]) - len(held)
+    assert meta["bos_token_id"] == meta["eos_token_id"] == 0  # <|pad|>: the loop restarts positions there
+    for split in ("train", "val", "val_code", "val_prose"):
+        tokens = load_tokens(out / f"{split}.bin")
+        assert tokens.size == meta[split]["tokens"] and tokens[0] == 0 and tokens[-1] == 0
+        assert int((tokens == 0).sum()) == 2 * meta[split]["files"]  # start and end of every document
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(out)
+    name = prose[0].removeprefix("pydoc_data/topics/")
+    assert topics[name].strip()[:40] in tok.decode(load_tokens(out / "val_prose.bin").tolist())

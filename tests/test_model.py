@@ -1,5 +1,6 @@
-"""The hybrid model on CPU with tiny configs: cache invariants, every generate() mode, padding, save/load,
-gradients, config validation."""
+"""The hybrid model on CPU with tiny configs: cached decode equal to the full forward, every generate() mode,
+padding, save/load and dtypes, gradients, chunked prefill, packed documents and the attention paths. (Config
+validation: test_config.py; the cache's own API: test_cache.py.)"""
 
 import pytest
 import torch
@@ -285,11 +286,6 @@ def test_pipeline_text_generation(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------------
-# Cache API
-# --------------------------------------------------------------------------------------------------
-
-
-# --------------------------------------------------------------------------------------------------
 # Save / load, dtypes
 # --------------------------------------------------------------------------------------------------
 
@@ -363,7 +359,7 @@ def test_gradients_finite_and_checkpointing_matches(attention, moe):
 
 
 # --------------------------------------------------------------------------------------------------
-# Config validation and Kimi-Linear keys
+# Chunked prefill and packed documents
 # --------------------------------------------------------------------------------------------------
 
 

@@ -125,12 +125,16 @@ def load_in_fresh_process(src: str, tmp_path: Path, env_extra: dict) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------
-# Fixtures: one tiny MLA + MoE model (the Kimi Linear layout), its tokenizer, what the package computes
+# Fixtures: a tiny Kimi Linear (MLA + MoE) and a tiny K3 model, the tokenizer, what the package computes
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def model():
+@pytest.fixture(scope="module", params=["kimi-linear", "k3"])
+def model(request):
+    """The Kimi Linear layout (MLA + MoE), and Kimi K3's (bounded gate, full-rank gates, gated q-LoRA MLA,
+    SiTU-GLU, latent MoE, Block AttnRes): both must travel through save, push and a fresh-process load."""
+    if request.param == "k3":
+        return helpers.k3_model(vocab_size=VOCAB_SIZE, eos_token_id=EOS_ID)
     return tiny_model()
 
 

@@ -201,3 +201,17 @@ def test_prepare_data_pydoc_holds_out_prose_apart_from_code(tmp_path):
     tok = AutoTokenizer.from_pretrained(out)
     name = prose[0].removeprefix("pydoc_data/topics/")
     assert topics[name].strip()[:40] in tok.decode(load_tokens(out / "val_prose.bin").tolist())
+
+
+def test_report_agreement_counts_positions_and_the_identical_prefix():
+    """examples/smollm2_report.py's greedy agreement: per prompt the fraction of positions with the teacher's
+    token, averaged over prompts; and the mean length of the identical prefix."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("smollm2_report", REPO / "examples" / "smollm2_report.py")
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    teacher = [[5, 6, 7, 2], [8, 9, 2, 2]]
+    student = [[5, 6, 1, 2], [3, 9, 2, 2]]  # prompt 1: 3 of 4 same, prefix 2; prompt 2: 3 of 4, prefix 0
+    assert report.agreement(student, teacher) == (0.75, 1.0)
+    assert report.agreement(teacher, teacher) == (1.0, 4.0)

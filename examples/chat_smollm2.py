@@ -72,7 +72,9 @@ def answer(name, model, tokenizer, prompt, max_new_tokens):
     out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
     dt = time.perf_counter() - t0
     new = out[0, ids.shape[1]:]
-    print(f"\n[{name}] {tokenizer.decode(new, skip_special_tokens=True).strip()}")
+    text = tokenizer.decode(new, skip_special_tokens=True)
+    shown = text.strip() or f"(only whitespace: {text[:40]!r}{'...' if len(text) > 40 else ''})"
+    print(f"\n[{name}] {shown}")
     print(f"  {new.numel()} tokens in {dt:.2f} s = {new.numel() / dt:.1f} tokens/s; "
           f"{cache_line(model, out.shape[1])}")
 

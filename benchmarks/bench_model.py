@@ -121,15 +121,16 @@ def versus_llama(report: Report, contestants: list[Contestant], baseline: Contes
 TARGETS = {256: {"decode": 1.0, "prefill": 1.2}, 4096: {"prefill": 1 / 1.5}, 16384: {"decode": 0.25, "prefill": 0.4}}
 
 
-def report_targets(report: Report, runs: dict, ours: str, baseline: str, contexts: list[int]) -> None:
+def report_targets(report: Report, runs: dict, ours: str, baseline: str, contexts: list[int],
+                   targets: dict = TARGETS) -> None:
     """One line per target at the measured contexts: the median ratio over runs, met or not."""
     report.print("")
     for n in contexts:
-        for which, limit in TARGETS.get(n, {}).items():
+        for which, limit in targets.get(n, {}).items():
             i = 0 if which == "prefill" else 1
             ratio = statistics.median(r[i] / b[i] for r, b in zip(runs[ours][n], runs[baseline][n]))
             speed = f"{1 / ratio:.2f}x faster" if ratio < 1 else f"{ratio:.2f}x slower"
-            report.print(f"{which} @ {n}: ours / Llama {ratio:.2f} ({speed}); target <= {limit:.2f}: "
+            report.print(f"{which} @ {n}: {ours} / {baseline} {ratio:.2f} ({speed}); target <= {limit:.2f}: "
                          f"{'met' if ratio <= limit else 'NOT met'}")
 
 

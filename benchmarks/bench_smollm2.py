@@ -13,7 +13,6 @@ docs/smollm2.md: decode @ 256 <= 1.0, decode @ 16K <= 0.5 (2x faster), prefill @
 
 from __future__ import annotations
 
-import statistics
 import sys
 import warnings
 from pathlib import Path
@@ -21,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from bench_model import Contestant, versus_llama  # noqa: E402
+from bench_model import Contestant, report_targets, versus_llama  # noqa: E402
 from smollm2 import teacher_path  # noqa: E402
 
 from kda_hybrid.bench.report import Report, benchmark_parser  # noqa: E402
@@ -58,15 +57,8 @@ def main():
         report.print(f"{s.name}: {c['kda_layers']} KDA + {c['attention_layers']} attention layers; cache at 32K "
                      f"tokens {format_bytes(c['kda_state'] + 32768 * c['kv_per_token'])} (fp32)")
     runs = versus_llama(report, [*students, teacher], teacher, args, title="Against SmolLM2-135M-Instruct itself")
-    report.print("")
     for s in students:
-        for n in args.contexts:
-            for which, limit in TARGETS.get(n, {}).items():
-                i = 0 if which == "prefill" else 1
-                ratio = statistics.median(r[i] / b[i] for r, b in zip(runs[s.name][n], runs[teacher.name][n]))
-                speed = f"{1 / ratio:.2f}x faster" if ratio < 1 else f"{ratio:.2f}x slower"
-                report.print(f"{s.name} {which} @ {n}: student / SmolLM2 {ratio:.2f} ({speed}); target <= "
-                             f"{limit:.2f}: {'met' if ratio <= limit else 'NOT met'}")
+        report_targets(report, runs, s.name, teacher.name, args.contexts, TARGETS)
     report.write({name: {str(n): v for n, v in r.items()} for name, r in runs.items()})
 
 

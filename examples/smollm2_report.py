@@ -94,6 +94,23 @@ def agreement(ours: list[list[int]], teacher: list[list[int]]) -> tuple[float, f
     return float(np.mean(same)), float(np.mean(prefix))
 
 
+TEACHER_FIGURES = ("layer_types", "nll_prose", "nll_code", "cache_32k_bytes")
+
+
+def kept(stored: dict, measured: dict, teacher: str) -> dict:
+    """stored's models with those of `measured` in their place (new ones after them), for --keep; SystemExit unless
+    the teacher of both runs is the same model giving the same figures, which is what makes the rows comparable."""
+    if next(iter(stored), None) != teacher:
+        raise SystemExit(f"--keep: the stored report's teacher is {next(iter(stored), None)!r}, this run's "
+                         f"{teacher!r}")
+    differ = [k for k in TEACHER_FIGURES if stored[teacher].get(k) != measured[teacher][k]]
+    if differ:
+        raise SystemExit(f"--keep: the teacher gives other figures than the stored report's ({', '.join(differ)}): "
+                         "another teacher, data or code; measure every model again")
+    return {**{name: measured.get(name, r) for name, r in stored.items()},
+            **{name: r for name, r in measured.items() if name not in stored}}
+
+
 @torch.no_grad()
 def reply(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
     ids = chat_ids(tokenizer, prompt)
@@ -117,9 +134,15 @@ def main(argv=None) -> dict:
     p.add_argument("--transcript-prompts", type=int, default=6)
     p.add_argument("--transcript-tokens", type=int, default=96)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--keep", action="store_true",
+                   help="keep the models of an existing --json that this run does not measure; the teacher is "
+                        "measured again and must give the stored figures exactly, or the run stops before writing")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     models = dict(m.split("=", 1) for m in args.model)
+    unknown = [n for n in args.transcript_models or () if n not in models]
+    if unknown:
+        p.error(f"--transcript-models {unknown}: not among this run's --model names {list(models)}")
     meta = json.loads((args.data / "meta.json").read_text())
     bos_id = meta["bos_token_id"]
     prose, code = load_tokens(args.data / "val_prose.bin"), load_tokens(args.data / "val_code.bin")
@@ -139,11 +162,14 @@ def main(argv=None) -> dict:
             teacher_out = generated
         r["agreement"], r["agreed_prefix"] = agreement(generated, teacher_out)
         r["seconds"] = round(time.perf_counter() - t0, 1)
+        r["measured"] = time.strftime("%Y-%m-%d")
         results[name] = r
         print(f"{name}: NLL prose {r['nll_prose']:.3f}, code {r['nll_code']:.3f}, agreement {r['agreement']:.3f} "
               f"(prefix {r['agreed_prefix']:.1f}), cache at 32K {format_bytes(r['cache_32k_bytes'])} "
               f"[{r['seconds']} s]", flush=True)
         del model
+    if args.keep and args.json.exists():
+        results = kept(json.loads(args.json.read_text())["models"], results, names[0])
     base = results[names[0]]
     lines = ["| model | layers | NLL prose (x teacher) | NLL code (x teacher) | greedy agreement, first "
              f"{args.new_tokens} tokens | identical prefix (tokens) | cache at 32K (x teacher) |",

@@ -203,15 +203,86 @@ def test_prepare_data_pydoc_holds_out_prose_apart_from_code(tmp_path):
     assert topics[name].strip()[:40] in tok.decode(load_tokens(out / "val_prose.bin").tolist())
 
 
-def test_report_agreement_counts_positions_and_the_identical_prefix():
-    """examples/smollm2_report.py's greedy agreement: per prompt the fraction of positions with the teacher's
-    token, averaged over prompts; and the mean length of the identical prefix."""
+def _report_module():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("smollm2_report", REPO / "examples" / "smollm2_report.py")
     report = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(report)
+    return report
+
+
+def test_report_agreement_counts_positions_and_the_identical_prefix():
+    """examples/smollm2_report.py's greedy agreement: per prompt the fraction of positions with the teacher's
+    token, averaged over prompts; and the mean length of the identical prefix."""
+    report = _report_module()
     teacher = [[5, 6, 7, 2], [8, 9, 2, 2]]
     student = [[5, 6, 1, 2], [3, 9, 2, 2]]  # prompt 1: 3 of 4 same, prefix 2; prompt 2: 3 of 4, prefix 0
     assert report.agreement(student, teacher) == (0.75, 1.0)
     assert report.agreement(teacher, teacher) == (1.0, 4.0)
+
+
+def test_report_keep_replaces_measured_rows_only_beside_the_same_teacher():
+    """--keep: rows measured now replace the stored ones (new ones come after), the others stay; refused when the
+    teacher's figures differ from the stored report's (the rows would not be comparable)."""
+    report = _report_module()
+    teacher = {"layer_types": "AAA", "nll_prose": 2.0, "nll_code": 1.5, "cache_32k_bytes": 100, "agreement": 1.0}
+    stored = {"teacher": teacher, "old": {"nll_prose": 5.0}, "redo": {"nll_prose": 4.0}}
+    merged = report.kept(stored, {"teacher": dict(teacher), "redo": {"nll_prose": 3.0}, "new": {"nll_prose": 2.5}},
+                         "teacher")
+    assert list(merged) == ["teacher", "old", "redo", "new"]
+    assert merged["old"]["nll_prose"] == 5.0 and merged["redo"]["nll_prose"] == 3.0
+    with pytest.raises(SystemExit, match="nll_code"):
+        report.kept(stored, {"teacher": {**teacher, "nll_code": 1.6}}, "teacher")
+    with pytest.raises(SystemExit, match="teacher"):
+        report.kept(stored, {"other": teacher}, "other")
+
+
+def test_prepare_data_chats_join_the_training_split_through_the_chat_template(tmp_path):
+    """--chats: each chat, rendered by the tokenizer's chat template, is a training document --chat-repeat times;
+    the held-out splits are those of the same corpus without chats; a bad line or a tokenizer without a chat
+    template is refused before anything is written."""
+    from transformers import AutoTokenizer
+
+    from kda_hybrid.train.data import load_tokens
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(150):
+        (src / f"m{i:03d}.py").write_text(f"def f_{i}(x):\n    return x + {i}\n")
+    plain = tmp_path / "plain"
+    run_example("prepare_data.py", "--out", str(plain), "--source", str(src), "--vocab-size", "300",
+                "--document-token", "<|pad|>")
+    tok = AutoTokenizer.from_pretrained(plain)
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"source": f"m{i:03d}.py", "user": f"What is f_{i}?",
+                                         "assistant": f"It adds {i} to x.", "complete": i < 2}) + "\n"
+                             for i in range(3)))  # the last reply was cut short: its turn stays open
+
+    def prepare(out, *extra, check=True):
+        return subprocess.run([sys.executable, str(REPO / "examples" / "prepare_data.py"), "--out", str(out),
+                               "--source", str(src), "--tokenizer", str(tokenizer), "--document-token", "<|pad|>",
+                               "--chats", str(chats), *extra], capture_output=True, text=True, check=check,
+                              env={**os.environ, "PYTHONPATH": str(REPO)})
+
+    tokenizer = plain  # no chat template: refused
+    r = prepare(tmp_path / "refused", check=False)
+    assert r.returncode != 0 and "no chat template" in r.stderr and not (tmp_path / "refused").exists()
+    tok.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>\n{% endfor %}"
+                         "{% if add_generation_prompt %}<assistant>{% endif %}")
+    tokenizer = tmp_path / "templated"
+    tok.save_pretrained(tokenizer)
+    out = tmp_path / "data"
+    prepare(out, "--chat-repeat", "2")
+    meta, base = json.loads((out / "meta.json").read_text()), json.loads((plain / "meta.json").read_text())
+    assert meta["train"]["chats"]["count"] == 3 and meta["train"]["chats"]["repeat"] == 2
+    assert meta["train"]["files"] == base["train"]["files"] + 6
+    assert (out / "val.bin").read_bytes() == (plain / "val.bin").read_bytes()
+    text = tok.decode(load_tokens(out / "train.bin").tolist())
+    for i in range(2):
+        assert text.count(f"<user>What is f_{i}?</user>\n<assistant>It adds {i} to x.</assistant>") == 2
+    assert text.count("<user>What is f_2?</user>\n<assistant>It adds 2 to x.<|pad|>") == 2
+    assert text.count("return x + 7\n") == 1  # the corpus documents all still there, once
+    chats.write_text(chats.read_text() + '{"user": "no reply"}\n')
+    r = prepare(tmp_path / "bad", check=False)
+    assert r.returncode != 0 and "chats.jsonl:4" in r.stderr and not (tmp_path / "bad").exists()

@@ -7,6 +7,7 @@ import copy
 import gzip
 import inspect
 import json
+import os
 
 import pytest
 import torch
@@ -512,6 +513,19 @@ def test_a_corrupt_k3_folder_is_refused_with_nothing_written(tmp_path, fault, ma
     assert sorted(p.name for p in tmp_path.iterdir()) == ["k3"]  # no staging folder left either
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork() to SIGKILL conversions cheaply")
+@pytest.mark.parametrize("overwrite", [False, True], ids=["plain", "overwrite"])
+def test_a_k3_conversion_killed_anywhere_leaves_old_or_new_output(tmp_path, overwrite):
+    """The released K3 layout (3 shards, `language_model.` names, MXFP4 experts, a vision tower skipped) converts
+    crash-safe as every conversion does: SIGKILLed at each file-system step of the publish and at random points of
+    the streaming, the destination holds the old output or the whole new one, and the rerun completes."""
+    from .test_conversion import _assert_killed_runs_recover
+
+    _, text = write_k3_folder(tmp_path / "k3")
+    _assert_killed_runs_recover(tmp_path, tmp_path / "k3", overwrite=overwrite, fallback=False, n_random=2, seed=0,
+                                tensors=len(text))
+
+
 def test_a_k3_model_is_not_written_as_kimi_linear(tmp_path):
     from kda_hybrid.conversion import ConversionError, convert
 
@@ -687,6 +701,26 @@ def test_k3_unmerged_lora_trains_and_merges_to_the_same_model():
         merged = lora.merge_and_unload()(input_ids=ids).logits
     torch.testing.assert_close(merged, unmerged, rtol=1e-4, atol=1e-5)
     assert (unmerged - base).abs().max() > 1e-2  # the adapters change the model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_k3_memory_report_is_the_config_formula_kda_fixed_mla_linear(dtype):
+    """The cache's memory report of a K3 model (read off the tensors it holds) equals cache_bytes(config), the
+    formula behind the README's K3 figures: the KDA state (fp32 S, conv tails in the model's dtype) does not grow,
+    the MLA latent grows by kv_per_token per token."""
+    from kda_hybrid.checkpoint_kda_hybrid import cache_bytes
+
+    model = k3_model(dtype=dtype)
+    want = cache_bytes(model.config, dtype)
+    reports = []
+    for T in (5, 17):
+        ids = torch.randint(1, VOCAB, (1, T), generator=torch.Generator().manual_seed(T))
+        with torch.no_grad():
+            reports.append(model(ids, use_cache=True).past_key_values.memory_report())
+    a, b = reports
+    assert a["kda_state_bytes"] == b["kda_state_bytes"] == want["kda_state"] > 0
+    assert a["kv_bytes_per_token_per_sequence"] == b["kv_bytes_per_token_per_sequence"] == want["kv_per_token"] > 0
+    assert b["attention_kv_bytes"] - a["attention_kv_bytes"] == 12 * want["kv_per_token"]
 
 
 def test_k3_cache_offload_and_prefetch_give_the_same_next_step():

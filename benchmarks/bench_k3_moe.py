@@ -21,7 +21,8 @@ import torch
 from kda_hybrid import KDAHybridConfig
 from kda_hybrid.bench.report import Report, benchmark_parser
 from kda_hybrid.checkpoint_kda_hybrid import format_bytes
-from kda_hybrid.layers_kda_hybrid import KDAHybridMoE, MXFP4Linear, dequantize_mxfp4
+from kda_hybrid.layers_kda_hybrid import KDAHybridMoE, MXFP4Linear
+from kda_hybrid.mxfp4_torch import dequantize_mxfp4
 
 
 def layers(num_experts: int, seed: int = 0) -> tuple[KDAHybridMoE, KDAHybridMoE]:

@@ -18,6 +18,12 @@ from .cache_layers_kda_hybrid import KDALayerState, KVLayerState, conv_states_af
 from .configuration_kda_hybrid import KDAHybridConfig
 from .kda_ops import chunk_kda, recurrent_step
 from .kda_torch import kda_gate
+from .mxfp4_torch import MXFP4_GROUP, check_mxfp4, dequantize_mxfp4
+
+try:  # optional, as the KDA kernels are: the fused MXFP4 matmul for CUDA tensors
+    from .mxfp4_triton import mxfp4_linear_triton
+except Exception:  # noqa: BLE001 - any failure (missing triton, no driver) means "not available"
+    mxfp4_linear_triton = None
 
 ABSORB_MAX_QUERY = 16  # MLA: queries up to this long (decode, draft verification) attend in latent space
 # MLA latent attention from this many cached tokens on: scores as keys x queries (1.6 vs 2.3 ms per layer at 16K
@@ -806,50 +812,31 @@ class KDAHybridMLP(nn.Module):
         return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
 
 
-# E2M1 (FP4) code -> value; bit 3 is the sign
-_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-MXFP4_GROUP = 32  # inputs per E8M0 scale
+MXFP4_BACKENDS = ("auto", "torch", "triton")
 
 
-def check_mxfp4(packed: torch.Tensor, scale: torch.Tensor, name: str = "weight"):
-    """ValueError unless packed / scale are MXFP4 as stored (uint8, [out, in / 2] and [out, in / 32]) with no NaN
-    scale (E8M0 byte 255)."""
-    if packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
-        raise ValueError(f"{name}: MXFP4 weight_packed / weight_scale must be uint8, got {packed.dtype} / "
-                         f"{scale.dtype}")
-    if packed.dim() != 2 or scale.dim() != 2 or packed.shape[0] != scale.shape[0] or \
-            packed.shape[1] * 2 != scale.shape[1] * MXFP4_GROUP:
-        raise ValueError(f"{name}: MXFP4 weight_packed [out, in / 2] and weight_scale [out, in / {MXFP4_GROUP}] must "
-                         f"agree, got {tuple(packed.shape)} and {tuple(scale.shape)}")
-    if not scale.is_meta and bool((scale == 255).any()):
-        bad = (scale == 255).nonzero()[0].tolist()
-        raise ValueError(f"{name}: MXFP4 weight_scale holds 255 (NaN in E8M0) at {bad}; the checkpoint is corrupt")
-
-
-def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """MXFP4 -> [out, in] in dtype: element 2j of a row is the low nibble of byte j, 2j + 1 the high one; each run of
-    32 inputs is scaled by 2 ** (scale - 127). Exact in bf16 and fp32 (a power of two times an E2M1 value)."""
-    out = packed.shape[0]
-    # one lookup per byte: a [256, 2] table of (low, high) values in the output dtype (exact: E2M1 values and powers
-    # of two are exact in bf16, fp16 within its range, fp32); 8x faster than decoding each nibble
-    pairs = F.embedding(packed.to(torch.int32), _mxfp4_pairs(dtype, packed.device))  # [out, in / 2, 2]
-    factor = torch.exp2(scale.to(torch.float32) - 127.0).to(dtype)  # [out, in / 32]
-    w = pairs.view(out, -1, MXFP4_GROUP) * factor[..., None]
-    return w.view(out, -1)
-
-
-@functools.cache
-def _mxfp4_pairs(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """[256, 2]: for each byte, the E2M1 values of its low and high nibble."""
-    lut = torch.tensor(_E2M1, dtype=torch.float32)
-    byte = torch.arange(256)
-    return torch.stack((lut[byte & 15], lut[byte >> 4]), -1).to(device=device, dtype=dtype)
+def mxfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """F.linear(x, dequantize_mxfp4(packed, scale, x.dtype)). "auto": on CUDA (fp32 / bf16 / fp16 activations)
+    the fused Triton kernel of mxfp4_triton, which decodes the weight tile by tile and never writes it out; else
+    "torch", the weight expanded for this call. "triton" elsewhere needs TRITON_INTERPRET=1 (tests)."""
+    if backend not in MXFP4_BACKENDS:
+        raise ValueError(f"backend must be one of {MXFP4_BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        fused = mxfp4_linear_triton is not None and x.device.type == "cuda" and \
+            x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        backend = "triton" if fused else "torch"
+    if backend == "triton":
+        if mxfp4_linear_triton is None:
+            raise RuntimeError("backend='triton' needs the triton package (pip install triton); use 'torch'")
+        return mxfp4_linear_triton(x, packed, scale)
+    return F.linear(x, dequantize_mxfp4(packed, scale, x.dtype))
 
 
 class MXFP4Linear(nn.Module):
     """A bias-free Linear whose weight is stored as MXFP4 (K3's routed experts as released): `weight_packed` [out,
-    in / 2] and `weight_scale` [out, in / 32], uint8 buffers; each call dequantises the weight in the input's dtype
-    (only the experts a batch uses are ever expanded). Not trainable (as stored)."""
+    in / 2] and `weight_scale` [out, in / 32], uint8 buffers, computed from as stored (`mxfp4_linear`: on CUDA a
+    fused kernel; on CPU each call expands the weight in the input's dtype, so only the experts a batch uses are
+    ever expanded). Not trainable (as stored); differentiable in the input."""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
@@ -871,7 +858,7 @@ class MXFP4Linear(nn.Module):
         return dequantize_mxfp4(self.weight_packed, self.weight_scale, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dequantized(x.dtype))
+        return mxfp4_linear(x, self.weight_packed, self.weight_scale)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, mxfp4"

@@ -4,6 +4,7 @@
 #   2. python -m pytest -q tests/test_triton.py tests/test_ops.py   (forward and backward kernels compiled and
 #      run on CUDA, 16-bit error bounds for outputs and every gradient)
 #   3. python benchmarks/bench_gpu.py --quick                       (writes benchmarks/results_gpu.md)
+#   4. python benchmarks/bench_k3_moe.py --device cuda ...          (the fused MXFP4 kernel vs bf16 experts)
 # Run from anywhere: bash benchmarks/gpu_check.sh. Each step has its own time limit so a hang in one still
 # leaves the others' output; the exit status is that of the tests.
 set -u
@@ -50,6 +51,10 @@ echo "== quick benchmark (limit $((480 - (SECONDS - start))) s)"
 left=$((480 - (SECONDS - start)))
 if [ "$left" -gt 30 ]; then
     timeout "$left" "$PY" benchmarks/bench_gpu.py --quick || echo "benchmark exit status $?"
+    # K3's MXFP4 experts: the fused kernel against bf16 experts and against expanding per call
+    left=$((480 - (SECONDS - start)))
+    [ "$left" -gt 30 ] && { timeout "$left" "$PY" benchmarks/bench_k3_moe.py --device cuda --experts 64 \
+        --tokens 1 16 256 2048 --repeats 20 || echo "bench_k3_moe exit status $?"; }
     # bench_gpu.py printed its tables; the device runner returns files under $OUT
     if [ -f benchmarks/results_gpu.md ] && [ -n "${OUT:-}" ]; then
         cp benchmarks/results_gpu.md "$OUT/"

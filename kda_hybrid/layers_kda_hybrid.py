@@ -836,7 +836,10 @@ class MXFP4Linear(nn.Module):
     """A bias-free Linear whose weight is stored as MXFP4 (K3's routed experts as released): `weight_packed` [out,
     in / 2] and `weight_scale` [out, in / 32], uint8 buffers, computed from as stored (`mxfp4_linear`: on CUDA a
     fused kernel; on CPU each call expands the weight in the input's dtype, so only the experts a batch uses are
-    ever expanded). Not trainable (as stored); differentiable in the input."""
+    ever expanded). Not trainable (as stored); differentiable in the input. `backend` ("auto", "torch", "triton"):
+    mxfp4_linear's choice, per module (a benchmark sets "torch" to time the expanding path on CUDA)."""
+
+    backend = "auto"
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
@@ -858,7 +861,7 @@ class MXFP4Linear(nn.Module):
         return dequantize_mxfp4(self.weight_packed, self.weight_scale, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return mxfp4_linear(x, self.weight_packed, self.weight_scale)
+        return mxfp4_linear(x, self.weight_packed, self.weight_scale, self.backend)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, mxfp4"

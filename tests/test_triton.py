@@ -930,11 +930,11 @@ def test_mxfp4_kernel_refuses_bad_inputs_before_launching(bad, match):
 
 
 def test_k3_mxfp4_experts_on_the_kernel_equal_the_torch_path(monkeypatch):
-    """A tiny K3 with MXFP4 routed experts, every expert matmul on the fused kernel (forced, as CUDA tensors get it
-    by default). Oracle: the same model in float64 (the expanded weights are exact in any dtype). Through six
-    layers fp32 logits and input gradients carry rounding on either fp32 path (measured here: up to 2e-4 of the
-    scale on the input gradient, either path), so the kernel path must be as close to float64 as the
-    expanded-weight fp32 path is, within 3x, and that path within 1e-3 (a sane model, not a chaotic one)."""
+    """A tiny K3 with MXFP4 routed experts, every expert matmul on the fused kernel (MXFP4Linear.backend "triton";
+    CUDA tensors get it by default). Oracle: the same model in float64 (the expanded weights are exact in any
+    dtype). Through six layers fp32 logits and input gradients carry rounding on either fp32 path (measured here:
+    up to 2e-4 of the scale on the input gradient, either path), so the kernel path must be as close to float64 as
+    the expanded-weight fp32 path is, within 3x, and that path within 1e-3 (a sane model, not a chaotic one)."""
     import copy
 
     from kda_hybrid import layers_kda_hybrid
@@ -962,11 +962,15 @@ def test_k3_mxfp4_experts_on_the_kernel_equal_the_torch_path(monkeypatch):
     calls = []
     original = layers_kda_hybrid.mxfp4_linear
 
-    def on_triton(x, packed, scale, backend="auto"):
+    def on_triton(x, packed, scale, backend):
+        assert backend == "triton"
         calls.append(1)
-        return original(x, packed, scale, backend="triton")
+        return original(x, packed, scale, backend)
 
     monkeypatch.setattr(layers_kda_hybrid, "mxfp4_linear", on_triton)
+    for m in model.modules():
+        if isinstance(m, MXFP4Linear):
+            m.backend = "triton"
     got = run(model)
     assert len(calls) > 0 and len(calls) % 3 == 0  # w1, w3, w2 of each expert a token used
     for name, g, f, x in zip(("logits", "input gradient"), got, fp32, truth):

@@ -17,7 +17,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from .cache_layers_kda_hybrid import KDALayerState, KVLayerState, conv_states_after
 from .configuration_kda_hybrid import KDAHybridConfig
 from .kda_ops import chunk_kda, recurrent_step
-from .kda_torch import kda_gate
+from .kda_torch import kda_gate, l2norm
 from .mxfp4_torch import MXFP4_GROUP, check_mxfp4, dequantize_mxfp4
 
 try:  # optional, as the KDA kernels are: the fused MXFP4 matmul for CUDA tensors
@@ -360,8 +360,9 @@ class KDAHybridDeltaAttention(nn.Module):
         conv_states = list(window[..., 1:].clone().split(C, 1))  # the last (kernel - 1) inputs
         qkv = F.silu((window * torch.cat(convs)[:, 0]).sum(-1)).view(B, 3, -1, K)  # [B, 3, H, K]
         g, beta = self._gates(x)  # [B, 1, H, K], [B, 1, H]
-        o, state = recurrent_step(qkv[:, 0], qkv[:, 1], qkv[:, 2], g[:, 0], beta[:, 0], cache_layer.recurrent_state,
-                                  use_qk_l2norm_in_kernel=True)  # the cached state, in place
+        qk = l2norm(qkv[:, :2])  # q and k in one pass: what use_qk_l2norm_in_kernel does to each
+        o, state = recurrent_step(qk[:, 0], qk[:, 1], qkv[:, 2], g[:, 0], beta[:, 0],
+                                  cache_layer.recurrent_state)  # the cached state, in place
         cache_layer.update(conv_states, state)
         return self._output(x, o[:, None])  # o [B, H, V] -> [B, 1, D]
 

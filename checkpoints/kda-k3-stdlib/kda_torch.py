@@ -176,7 +176,8 @@ def recurrent_step_(q, k, v, g, beta, state, scale, use_qk_l2norm_in_kernel=Fals
     costs as much as two of the step's ops). Casts only what is not in the state's dtype already (each no-op
     call costs a decode step microseconds)."""
     out_dtype, dtype = v.dtype, state.dtype
-    q, k, v, g, beta = (x if x.dtype == dtype else x.to(dtype) for x in (q, k, v, g, beta))
+    if not q.dtype == k.dtype == v.dtype == g.dtype == beta.dtype == dtype:  # one test: the usual case casts none
+        q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
     if use_qk_l2norm_in_kernel:  # the scale folded into q's factor: one multiply per tensor
         q, k = q * _l2norm_factor(q, scale), k * _l2norm_factor(k)
     else:

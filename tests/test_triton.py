@@ -375,8 +375,9 @@ SM90_MAX_SHARED = 232448  # bytes of shared memory one block may use on sm_90
 
 
 def _compile_all_for_sm90(dtype: str) -> list[str]:
-    """Compile the nine kernels (six forward, three backward) at K = V = 128 for `dtype` inputs, with the
-    launchers' warps and stages, and the WY solve's chunk_size-32 form; returns one line per kernel."""
+    """Compile the nine KDA kernels (six forward, three backward) at K = V = 128 for `dtype` inputs, with the
+    launchers' warps and stages, and the WY solve's chunk_size-32 form, and the MXFP4 matmul at both of its row
+    tiles; returns one line per kernel."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -408,10 +409,16 @@ def _compile_all_for_sm90(dtype: str) -> list[str]:
          kt.CHUNK_BWD_NUM_STAGES, kt.CHUNK_BWD_NUM_WARPS),
         (ktb._kda_intra_bwd_kernel, dict(base, BC=16, DOT_PREC=prec), 3),
     ]
+    from kda_hybrid import mxfp4_triton
+
+    mx_types = dict(packed="*u8", scale="*u8", M="i32", N="i32", K="i32", stride_xm="i32", stride_ym="i32")
+    jobs += [(mxfp4_triton._mxfp4_matmul_kernel, dict(BM=bm, BN=64, BK=mxfp4_triton.BLOCK_K, DOT_PREC=prec), 3)
+             for bm in (16, 64)]  # the launcher's two row tiles (decode, prefill)
     lines = []
     for lazy, consts, stages, *warps in jobs:
         fn = triton.jit(lazy.fn)
-        sig = {n: "constexpr" if n in consts else types.get(n, "*" + dtype) for n in fn.arg_names}
+        own = mx_types if lazy is mxfp4_triton._mxfp4_matmul_kernel else types
+        sig = {n: "constexpr" if n in consts else own.get(n, "*" + dtype) for n in fn.arg_names}
         kernel = triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                                 options=dict(num_warps=warps[0] if warps else 4, num_stages=stages))
         shared = kernel.metadata.shared

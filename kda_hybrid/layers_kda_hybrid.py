@@ -21,9 +21,10 @@ from .kda_torch import kda_gate, l2norm
 from .mxfp4_torch import MXFP4_GROUP, check_mxfp4, dequantize_mxfp4
 
 try:  # optional, as the KDA kernels are: the fused MXFP4 matmul for CUDA tensors
+    from .mxfp4_triton import KERNEL_DTYPES as MXFP4_KERNEL_DTYPES
     from .mxfp4_triton import mxfp4_linear_triton
 except Exception:  # noqa: BLE001 - any failure (missing triton, no driver) means "not available"
-    mxfp4_linear_triton = None
+    mxfp4_linear_triton, MXFP4_KERNEL_DTYPES = None, ()
 
 ABSORB_MAX_QUERY = 16  # MLA: queries up to this long (decode, draft verification) attend in latent space
 # MLA latent attention from this many cached tokens on: scores as keys x queries (1.6 vs 2.3 ms per layer at 16K
@@ -823,8 +824,7 @@ def mxfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bac
     if backend not in MXFP4_BACKENDS:
         raise ValueError(f"backend must be one of {MXFP4_BACKENDS}, got {backend!r}")
     if backend == "auto":
-        fused = mxfp4_linear_triton is not None and x.device.type == "cuda" and \
-            x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        fused = x.device.type == "cuda" and x.dtype in MXFP4_KERNEL_DTYPES
         backend = "triton" if fused else "torch"
     if backend == "triton":
         if mxfp4_linear_triton is None:

@@ -18,17 +18,17 @@ _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -
 MXFP4_GROUP = 32  # inputs per E8M0 scale
 
 
-def check_mxfp4(packed: torch.Tensor, scale: torch.Tensor, name: str = "weight"):
-    """ValueError unless packed / scale are MXFP4 as stored (uint8, [out, in / 2] and [out, in / 32]) with no NaN
-    scale (E8M0 byte 255)."""
-    if packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
-        raise ValueError(f"{name}: MXFP4 weight_packed / weight_scale must be uint8, got {packed.dtype} / "
-                         f"{scale.dtype}")
-    if packed.dim() != 2 or scale.dim() != 2 or packed.shape[0] != scale.shape[0] or \
-            packed.shape[1] * 2 != scale.shape[1] * MXFP4_GROUP:
+def check_mxfp4(packed: torch.Tensor, scale: torch.Tensor, name: str = "weight", values: bool = True):
+    """ValueError unless packed / scale are MXFP4 as stored (2-D uint8, [out, in / 2] and [out, in / 32]) and, with
+    `values` (at load; a kernel launch skips it: reading the scales back is a device sync), no NaN scale (E8M0
+    byte 255)."""
+    if packed.dtype != torch.uint8 or scale.dtype != torch.uint8 or packed.dim() != 2 or scale.dim() != 2:
+        raise ValueError(f"{name}: MXFP4 weight_packed / weight_scale must be 2-D uint8, got {packed.dtype} "
+                         f"{tuple(packed.shape)} / {scale.dtype} {tuple(scale.shape)}")
+    if packed.shape[0] != scale.shape[0] or packed.shape[1] * 2 != scale.shape[1] * MXFP4_GROUP:
         raise ValueError(f"{name}: MXFP4 weight_packed [out, in / 2] and weight_scale [out, in / {MXFP4_GROUP}] must "
                          f"agree, got {tuple(packed.shape)} and {tuple(scale.shape)}")
-    if not scale.is_meta and bool((scale == 255).any()):
+    if values and not scale.is_meta and bool((scale == 255).any()):
         bad = (scale == 255).nonzero()[0].tolist()
         raise ValueError(f"{name}: MXFP4 weight_scale holds 255 (NaN in E8M0) at {bad}; the checkpoint is corrupt")
 

@@ -24,10 +24,10 @@ except ImportError as err:
     raise ImportError("kda_hybrid.mxfp4_triton needs the triton package (GPU kernels)") from err
 
 from .kda_triton_fwd import _dot_precision, _LazyKernel
-from .mxfp4_torch import MXFP4_GROUP, dequantize_mxfp4
+from .mxfp4_torch import check_mxfp4, dequantize_mxfp4
 
 BLOCK_K = 64  # K per step: two scale groups, 32 bytes per weight row
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # x; the decoded weights are exact in each
 
 
 @_LazyKernel
@@ -67,15 +67,12 @@ def _mxfp4_matmul_kernel(
 
 
 def _check(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor):
-    if x.dtype not in _DTYPES:
-        raise ValueError(f"mxfp4_linear_triton: x must be one of {_DTYPES}, got {x.dtype}")
-    if packed.dtype != torch.uint8 or scale.dtype != torch.uint8 or packed.dim() != 2 or scale.dim() != 2:
-        raise ValueError(f"mxfp4_linear_triton: packed / scale must be 2-D uint8, got {packed.dtype} "
-                         f"{tuple(packed.shape)} / {scale.dtype} {tuple(scale.shape)}")
-    N, K = packed.shape[0], packed.shape[1] * 2
-    if scale.shape != (N, K // MXFP4_GROUP) or K % MXFP4_GROUP or x.shape[-1] != K:
-        raise ValueError(f"mxfp4_linear_triton: x [..., K], packed [N, K / 2], scale [N, K / {MXFP4_GROUP}] must "
-                         f"agree, got {tuple(x.shape)}, {tuple(packed.shape)}, {tuple(scale.shape)}")
+    if x.dtype not in KERNEL_DTYPES:
+        raise ValueError(f"mxfp4_linear_triton: x must be one of {KERNEL_DTYPES}, got {x.dtype}")
+    check_mxfp4(packed, scale, "mxfp4_linear_triton", values=False)
+    if x.shape[-1] != packed.shape[1] * 2:
+        raise ValueError(f"mxfp4_linear_triton: x [..., K] and packed [N, K / 2] must agree, got {tuple(x.shape)} "
+                         f"and {tuple(packed.shape)}")
     if not (x.device == packed.device == scale.device):
         raise ValueError(f"mxfp4_linear_triton: tensors on {x.device}, {packed.device}, {scale.device}")
 

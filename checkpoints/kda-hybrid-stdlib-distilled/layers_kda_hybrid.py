@@ -477,7 +477,7 @@ def _nonfinite_rows(x: torch.Tensor) -> torch.Tensor | None:
     compiling = torch.compiler.is_compiling()
     # eager: one reduction and one host read decide (a sum of finite values that overflows only costs the exact
     # route); the per-token mask is formed only when something is off
-    if not compiling and math.isfinite(float(x.detach().sum(dtype=torch.float32))):
+    if not compiling and math.isfinite(float((x.detach() if x.requires_grad else x).sum(dtype=torch.float32))):
         return None
     bad = ~torch.isfinite(x).all(-1)
     if compiling:
@@ -583,13 +583,14 @@ class KDAHybridMLAttention(_CausalThroughNonFinite, nn.Module):
         self.kv_a_proj_with_mqa = nn.Linear(D, self.kv_lora_rank + self.qk_rope_head_dim, bias=config.attention_bias)
         self.kv_a_layernorm = KDAHybridRMSNorm(self.kv_lora_rank, eps=MLA_NORM_EPS)
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, Hq * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
-        if config.mla_use_output_gate:  # K3: o_proj(attention * sigmoid(g_proj(x)))
+        self.output_gate = config.mla_use_output_gate  # a plain flag: hasattr on a Module costs an exception
+        if self.output_gate:  # K3: o_proj(attention * sigmoid(g_proj(x)))
             self.g_proj = nn.Linear(D, Hq * self.v_head_dim, bias=False)
         self.o_proj = nn.Linear(Hq * self.v_head_dim, D, bias=config.attention_bias)
 
     def _out(self, hidden_states, out):
         """The attention output [B, T, H * v] -> [B, T, D]: o_proj, after K3's sigmoid output gate if any."""
-        if hasattr(self, "g_proj"):
+        if self.output_gate:
             out = out * torch.sigmoid(self.g_proj(hidden_states))
         return self.o_proj(out)
 

@@ -4,7 +4,7 @@
     python benchmarks/profile_smollm2_decode.py --student kkA=out/smollm2-kkA --shared-kv --rounds 6
 
 For each model: a prefill of --context tokens, then torch.profiler over --steps decode steps (the fastest of
---profiles such runs): self CPU time per step, split into aten::mm (the weight matrix-vector products) and
+--repeats such runs): self CPU time per step, split into aten::mm (the weight matrix-vector products) and
 everything else, the number of ops per step, and the top ops. --shared-kv adds, for each student, a speed what-if:
 its KDA layers' k_proj and v_proj cut to the teacher's KV heads and repeated to every query head after the
 projection, as a KDA layer with GQA-style shared keys and values would compute (its outputs differ from the
@@ -96,11 +96,10 @@ def decode_ms(model, context: int, steps: int) -> float:
 
 
 def main():
-    parser = benchmark_parser(__doc__, repeats=1)
+    parser = benchmark_parser(__doc__, repeats=3, repeats_help="profiled runs per model, the fastest kept")
     parser.add_argument("--student", action="append", required=True, metavar="NAME=FOLDER")
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--steps", type=int, default=10, help="decode steps per profile / timing (default 10)")
-    parser.add_argument("--profiles", type=int, default=3, help="profiled runs per model, the fastest kept (default 3)")
     parser.add_argument("--top", type=int, default=8, help="ops listed per model (default 8)")
     parser.add_argument("--shared-kv", action="store_true", help="add the students' shared-KV what-if (timed)")
     parser.add_argument("--rounds", type=int, default=6, help="interleaved timing rounds for --shared-kv")
@@ -117,9 +116,9 @@ def main():
     report.print("|---|---|---|---|---|---|---|")
     tops = {}
     for name, model in models.items():
-        # the least disturbed of --profiles runs: a fresh cache's growth (the teacher's KV concatenation
+        # the least disturbed of --repeats runs: a fresh cache's growth (the teacher's KV concatenation
         # allocates every step) and the profiler's own start put milliseconds on some runs and not others
-        ev = min((profile_decode(model, args.context, args.steps) for _ in range(args.profiles)),
+        ev = min((profile_decode(model, args.context, args.steps) for _ in range(args.repeats)),
                  key=lambda ev: sum(e.self_cpu_time_total for e in ev))
         total = sum(e.self_cpu_time_total for e in ev) / args.steps / 1e3
         mm = [e for e in ev if e.key == "aten::mm"]

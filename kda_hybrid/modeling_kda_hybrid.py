@@ -26,6 +26,7 @@ from transformers.utils import can_return_tuple, logging
 from .cache_kda_hybrid import KDAHybridCache
 from .checkpoint_kda_hybrid import write_checkpoint_metadata, write_model_card
 from .configuration_kda_hybrid import KDAHybridConfig
+from .kda_torch import inverse_softplus
 from .layers_kda_hybrid import (
     ABSORB_MAX_QUERY,
     PACKED_ATTENTION_MAX_DOCS,
@@ -200,7 +201,7 @@ class KDAHybridPreTrainedModel(PreTrainedModel):
             # decay rates exp(A_log) in [1, 16] and dt in [1e-3, 1e-1] (Mamba2 / fla initialisation)
             module.A_log.copy_(torch.empty_like(module.A_log).uniform_(1.0, 16.0).log())
             dt = torch.empty_like(module.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp_min(1e-4)
-            module.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+            module.dt_bias.copy_(inverse_softplus(dt))
         elif isinstance(module, KDAHybridRotaryEmbedding):
             # a non-persistent buffer: from_pretrained (and every meta-device path) allocates it empty and only
             # this call fills it; without it RoPE reads uninitialised memory

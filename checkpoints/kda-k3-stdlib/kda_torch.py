@@ -76,6 +76,11 @@ def kda_gate(g, A_log=None, dt_bias=None, lower_bound=None):
     return lower_bound * torch.sigmoid(x if a is None else a * x)
 
 
+def inverse_softplus(y: torch.Tensor) -> torch.Tensor:
+    """x with softplus(x) = y, for y > 0: how a gate's bias is set so that softplus(bias) is a chosen dt."""
+    return y + torch.log(-torch.expm1(-y))
+
+
 def _split_varlen(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
     bounds = cu_seqlens.tolist()
     return list(zip(bounds[:-1], bounds[1:]))

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kda_torch import inverse_softplus
 from .checkpoint import FolderSource, Header, name_list
 
 logger = logging.getLogger("kda_hybrid.conversion")
@@ -162,7 +163,7 @@ def kda_init_tensors(config, prefix: str, dtype: torch.dtype, init: KDAInit, lay
     out = {
         "q_conv1d.weight": conv, "k_conv1d.weight": conv.clone(), "v_conv1d.weight": conv.clone(),
         "A_log": torch.zeros(1, 1, H, 1, dtype=torch.float32),
-        "dt_bias": (dt + torch.log(-torch.expm1(-dt))).float(),  # inverse softplus: softplus(dt_bias) = dt
+        "dt_bias": inverse_softplus(dt).float(),  # softplus(dt_bias) = dt
         "f_a_proj.weight": torch.randn(K, D, generator=gen) * std,
         "f_b_proj.weight": torch.zeros(H * K, K),
         "b_proj.weight": torch.zeros(H, D),

@@ -14,7 +14,7 @@ except ImportError as err:
     raise ImportError("kda_hybrid.kda_triton needs the triton package (GPU kernels); kda_torch does not") from err
 
 from .kda_torch import CHUNK_SIZE, CHUNK_SIZES, kda_gate, l2norm, records_autograd
-from .kda_triton_bwd import _chunk_kda_bwd
+from .kda_triton_bwd import chunk_kda_bwd
 from .kda_triton_fwd import (
     _KERNEL_DTYPES,
     _chunk_kda_fwd,
@@ -48,7 +48,7 @@ class ChunkKDAFunction(torch.autograd.Function):
     def backward(ctx, do, dht, _dh):
         q, k, v, g, beta, initial_state, *saved = ctx.saved_tensors
         need_dh0 = initial_state is not None and ctx.needs_input_grad[6]
-        dq, dk, dv, dg, dbeta, dh0 = _chunk_kda_bwd(q, k, v, g, beta, ctx.scale, initial_state, ctx.layout,
+        dq, dk, dv, dg, dbeta, dh0 = chunk_kda_bwd(q, k, v, g, beta, ctx.scale, initial_state, ctx.layout,
                                                     saved, do, dht, need_dh0)
         return dq, dk, dv, dg.to(ctx.g_dtype), dbeta.to(beta.dtype), None, dh0, None, None, None, None
 

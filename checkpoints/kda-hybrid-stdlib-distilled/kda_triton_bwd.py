@@ -30,8 +30,8 @@ from .kda_triton_fwd import (
     NEG_INF,
     STATE_BWD_NUM_STAGES,
     SUB_CHUNK,
+    LazyKernel,
     _block,
-    _LazyKernel,
     _scan_block_v,
     _state_scan_fwd,
 )
@@ -47,7 +47,7 @@ from .kda_triton_fwd import (
 # --------------------------------------------------------------------------------------------------
 
 
-@_LazyKernel
+@LazyKernel
 def _kda_state_bwd_kernel(
     q, k, w, G, Aqk, do, dht, dh0, dh, dv_new, cu_seqlens, chunk_offsets, scale,
     H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -102,7 +102,7 @@ def _kda_state_bwd_kernel(
         tl.store(dh0 + (i_n * HV + i_h) * K * V + o_kv, b_dh, mask=m_kv)
 
 
-@_LazyKernel
+@LazyKernel
 def _kda_chunk_bwd_kernel(
     q, k, v, G, beta, h, dh, v_new, dv_new, w, u, Ai, do, dq, dk, dv, dbeta, dG, dAqk, dAkk,
     cu_seqlens, chunk_indices, scale,
@@ -189,7 +189,7 @@ def _kda_chunk_bwd_kernel(
     tl.store(dAkk + o_tA, b_dAk, mask=m_t[:, None])
 
 
-@_LazyKernel
+@LazyKernel
 def _kda_intra_bwd_kernel(
     q, k, g, G, beta, dAqk, dAkk, dq, dk, dbeta, dG, cu_seqlens, chunk_indices, scale,
     H, HV, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -360,7 +360,7 @@ def _gated_products_bwd(q, k, g, G, beta, dAqk, dAkk, dq, dk, dbeta, dG, scale, 
     return dq, dk, dbeta, dG
 
 
-def _chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, layout, saved, do, dht, need_dh0):
+def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, layout, saved, do, dht, need_dh0):
     """Chunked backward: recompute h and v_new (one forward scan), reverse scan for dh, then the per-chunk
     stages. Returns dq, dk, dv, dg, dbeta in their inputs' dtypes and dh0 (fp32, None unless need_dh0)."""
     G, Aqk, Ai, w, u = saved

@@ -23,14 +23,14 @@ try:  # inside try: transformers' remote-code import check skips try blocks, so 
 except ImportError as err:
     raise ImportError("kda_hybrid.mxfp4_triton needs the triton package (GPU kernels)") from err
 
-from .kda_triton_fwd import _dot_precision, _LazyKernel
+from .kda_triton_fwd import LazyKernel, dot_precision
 from .mxfp4_torch import check_mxfp4, dequantize_mxfp4
 
 BLOCK_K = 64  # K per step: two scale groups, 32 bytes per weight row
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # x; the decoded weights are exact in each
 
 
-@_LazyKernel
+@LazyKernel
 def _mxfp4_matmul_kernel(
     x, packed, scale, y, M, N, K, stride_xm, stride_ym,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -87,7 +87,7 @@ def _forward(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> tor
     BN = 64 if N >= 64 else 16
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
     _mxfp4_matmul_kernel[grid](x2, packed.contiguous(), scale.contiguous(), y, M, N, K, x2.stride(0), y.stride(0),
-                               BM=BM, BN=BN, BK=BLOCK_K, DOT_PREC=_dot_precision(x2.dtype))
+                               BM=BM, BN=BN, BK=BLOCK_K, DOT_PREC=dot_precision(x2.dtype))
     return y
 
 

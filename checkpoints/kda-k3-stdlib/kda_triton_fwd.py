@@ -35,7 +35,7 @@ Torch does allocation, the final dtype casts, the q/k L2 norm, the in-kernel gat
 the state layout transposes (elementwise torch ops in front of the kernels, differentiated by autograd).
 `fused_recurrent_kda_triton` has no backward: when a gradient is needed it calls the chunked function.
 
-Kernels are decorated with `_LazyKernel` where they are defined, which applies `triton.jit` at their first
+Kernels are decorated with `LazyKernel` where they are defined, which applies `triton.jit` at their first
 launch, not at import: triton decides between the compiler and the interpreter (TRITON_INTERPRET=1, CPU tests)
 when `triton.jit` runs, and this module is often imported (by `kda_ops`) before a test sets the variable.
 The head counts H, HV are runtime arguments (one compilation serves every count); head dims, tile sizes and
@@ -78,7 +78,7 @@ GATE_FLOOR = tl.constexpr(GATE_FLOOR_VALUE)
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _interpreted() -> bool:
+def triton_interpreted() -> bool:
     """Whether triton runs kernels in its interpreter: triton's own reading of TRITON_INTERPRET (its knobs accept
     1/true/on/y/yes in any case), so kda_ops and the launcher never disagree."""
     try:
@@ -89,7 +89,7 @@ def _interpreted() -> bool:
         return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "y", "yes")
 
 
-class _LazyKernel:
+class LazyKernel:
     """`triton.jit` applied at first launch, once per mode (compiled / interpreted)."""
 
     def __init__(self, fn):
@@ -97,7 +97,7 @@ class _LazyKernel:
         self._jitted = {}
 
     def __getitem__(self, grid):
-        mode = _interpreted()
+        mode = triton_interpreted()
         kernel = self._jitted.get(mode)
         if kernel is None:
             kernel = self._jitted[mode] = triton.jit(self.fn)
@@ -111,7 +111,7 @@ class _LazyKernel:
 # --------------------------------------------------------------------------------------------------
 
 
-@_LazyKernel
+@LazyKernel
 def _kda_gate_cumsum_kernel(
     g, G, cu_seqlens, chunk_indices,
     HV, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
@@ -131,7 +131,7 @@ def _kda_gate_cumsum_kernel(
     tl.store(G + o_tk, tl.cumsum(b_g, axis=0), mask=m_tk)
 
 
-@_LazyKernel
+@LazyKernel
 def _kda_intra_fwd_kernel(
     q, k, G, beta, Akk, Aqk, cu_seqlens, chunk_indices, scale,
     H, HV, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
@@ -204,7 +204,7 @@ def _kda_intra_fwd_kernel(
         tl.store(Aqk + o_A, b_Aqk, mask=m_r[:, None])
 
 
-@_LazyKernel
+@LazyKernel
 def _kda_solve_wu_kernel(
     k, v, G, beta, Akk, Ai, w, u, cu_seqlens, chunk_indices,
     H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
@@ -351,7 +351,7 @@ def _kda_solve_wu_kernel(
     tl.store(u + o_rv3, b_u3, mask=m_rv3)
 
 
-@_LazyKernel
+@LazyKernel
 def _kda_state_scan_kernel(
     k, w, u, G, h0, ht, h, v_new, cu_seqlens, chunk_offsets,
     H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -398,7 +398,7 @@ def _kda_state_scan_kernel(
         tl.store(ht + (i_n * HV + i_h) * K * V + o_kv, b_h, mask=m_kv)
 
 
-@_LazyKernel
+@LazyKernel
 def _kda_output_kernel(
     q, G, Aqk, h, v_new, o, cu_seqlens, chunk_indices, scale,
     H, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -435,7 +435,7 @@ def _kda_output_kernel(
     tl.store(o + o_tv, b_o.to(o.dtype.element_ty), mask=m_tv)
 
 
-@_LazyKernel
+@LazyKernel
 def _kda_fused_recurrent_kernel(
     q, k, v, g, beta, o, h0, ht, cu_seqlens, state_indices, scale, T,
     H, HV, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -506,7 +506,7 @@ def _block(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
+def dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs get full-fp32 products (the tests hold them to 1e-5); 16-bit inputs carry 8-11 bits
     # already, and tf32's 10-bit products keep the kernel's error below the rounding of the inputs.
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -518,7 +518,7 @@ class ChunkLayout(NamedTuple):
     cu_seqlens: torch.Tensor  # [N + 1] int32 offsets of the sequences in the packed B*T tokens
     chunk_indices: torch.Tensor  # [NC, 2] int32: (sequence, chunk within it) of every global chunk
     chunk_offsets: torch.Tensor  # [N] int32: global index of each sequence's first chunk
-    dot_precision: str  # tl.dot input precision, from the inputs' dtype (_dot_precision)
+    dot_precision: str  # tl.dot input precision, from the inputs' dtype (dot_precision)
     chunk_size: int  # BT
 
 
@@ -534,14 +534,14 @@ def _chunk_layout(cu_seqlens: torch.Tensor | None, B: int, T: int, device, cu_se
         seq = torch.arange(B, device=device, dtype=torch.int32)
         chunk_indices = torch.stack([seq.repeat_interleave(NT), torch.arange(NT, device=device,
                                                                               dtype=torch.int32).repeat(B)], 1)
-        return ChunkLayout(cu, chunk_indices.contiguous(), seq * NT, _dot_precision(dtype), BT)
+        return ChunkLayout(cu, chunk_indices.contiguous(), seq * NT, dot_precision(dtype), BT)
     host = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens
     lens = (host[1:] - host[:-1]).tolist()
     nts = [triton.cdiv(n, BT) for n in lens]
     chunk_indices = torch.tensor([(i, t) for i, nt in enumerate(nts) for t in range(nt)], dtype=torch.int32)
     offsets = torch.tensor([0, *nts[:-1]], dtype=torch.int64).cumsum(0).to(torch.int32)
     return ChunkLayout(cu_seqlens.to(torch.int32), chunk_indices.to(device), offsets.to(device),
-                       _dot_precision(dtype), BT)
+                       dot_precision(dtype), BT)
 
 
 def _check_head_dims(K: int, V: int) -> None:

@@ -178,11 +178,83 @@ class LogitDistillation:
         return self.kl_weight * kl + self.ce_weight * ce, {"kl": kl, "ce": ce}
 
 
-def build_student(args):
+@torch.no_grad()
+def calibrate_kda_outputs(teacher, student, batches) -> dict[int, torch.Tensor]:
+    """Scale each KDA head's output to the size of the teacher attention head it replaces. Over `batches` (packed
+    rows: input_ids, position_ids), head h's contribution to a layer's output (o_proj applied to the head's slice of
+    its input alone) is measured in the teacher's and in the student's own forward, and the student's o_proj
+    columns of that head are multiplied by the ratio of the two RMS, teacher / student. Every KDA layer is measured
+    in the same forwards, before any is scaled. Returns {layer: factors [heads]}.
+
+    A converted KDA layer starts out of scale with the attention it replaces: on SmolLM2-135M its heads are 5-40x
+    louder than the teacher's, which costs the converted student more than no attention at all (docs/smollm2.md)."""
+    layers = kda_layer_indices(student)
+    s_proj = {i: student.model.layers[i].self_attn.o_proj for i in layers}
+    t_proj = {i: teacher.model.layers[i].self_attn.o_proj for i in layers}
+    heads = student.config.linear_num_heads
+    for i in layers:
+        if t_proj[i].weight.shape != s_proj[i].weight.shape or s_proj[i].in_features % heads:
+            raise ValueError(f"layer {i}: the teacher's o_proj is {tuple(t_proj[i].weight.shape)}, the student's "
+                             f"{tuple(s_proj[i].weight.shape)} ({heads} heads): not a conversion of this teacher")
+    sums = {(who, i): torch.zeros(heads, dtype=torch.float64) for who in ("teacher", "student") for i in layers}
+
+    def hook(key):
+        def pre(module, args):
+            w = module.weight.float()
+            x = args[0].detach().float().reshape(-1, heads, w.shape[1] // heads)  # [N, H, V]
+            y = torch.einsum("nhv,dhv->nhd", x, w.view(w.shape[0], heads, -1))  # each head's share of the output
+            sums[key] += y.double().pow(2).mean(-1).sum(0)
+
+        return pre
+
+    hooks = [proj.register_forward_pre_hook(hook((who, i)))
+             for who, projs in (("teacher", t_proj), ("student", s_proj)) for i, proj in projs.items()]
+    try:
+        for batch in batches:
+            ids, pos = batch["input_ids"], batch["position_ids"]
+            teacher_forward(teacher, ids, pos, body_only=True)
+            student.model(input_ids=ids, position_ids=pos, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    factors = {}
+    for i in layers:
+        factor = (sums["teacher", i] / sums["student", i]).sqrt()
+        if not torch.isfinite(factor).all():
+            raise ValueError(f"layer {i}: a KDA head's output is zero or not finite on the calibration rows")
+        w = s_proj[i].weight
+        w.mul_(factor.to(w.dtype).repeat_interleave(w.shape[1] // heads))
+        factors[i] = factor.float()
+    return factors
+
+
+def calibration_batches(args, meta) -> list[dict[str, torch.Tensor]]:
+    """--calibrate-rows rows of the training split, spread evenly over it, one batch each."""
+    from pathlib import Path
+
+    from kda_hybrid.train.data import load_tokens, make_batch, num_rows
+
+    tokens = load_tokens(Path(args.data) / "train.bin")
+    n = num_rows(tokens, args.seq_len)
+    rows = sorted({k * n // args.calibrate_rows for k in range(args.calibrate_rows)})
+    return [make_batch(tokens, [row], args.seq_len, meta["bos_token_id"]) for row in rows]
+
+
+def build_student(args, teacher=None, meta=None):
+    """The student to train: --student, calibrated against `teacher` first when --calibrate-rows (not when resuming
+    from a checkpoint, which holds the weights), then frozen / wrapped as --stage, --trainable and --lora-rank say."""
+    from pathlib import Path
+
+    from kda_hybrid.train.loop import resumable_checkpoint
+
     student = load(args.student)
     if student.config.model_type != "kda_hybrid" or not kda_layer_indices(student):
         raise ValueError(f"--student {args.student}: expected a KDA hybrid with KDA layers (convert the teacher with "
                          "python -m kda_hybrid.conversion --layer-types ...)")
+    if args.calibrate_rows and not (args.resume and resumable_checkpoint(Path(args.out))):
+        factors = torch.cat(list(calibrate_kda_outputs(teacher, student, calibration_batches(args, meta)).values()))
+        print(f"calibrated the KDA heads' output scale on {args.calibrate_rows} rows: factors "
+              f"{factors.min():.3g} .. {factors.median():.3g} (median) .. {factors.max():.3g}")
     if args.stage == 1 or args.trainable == "kda":
         student.requires_grad_(False)
         for i in kda_layer_indices(student):
@@ -205,12 +277,15 @@ def parse_args(argv=None):
     p.add_argument("--kl-weight", type=float, default=1.0, help="stage 2: weight of the KL term")
     p.add_argument("--ce-weight", type=float, default=1.0, help="stage 2: weight of the LM loss")
     p.add_argument("--lora-rank", type=int, default=0, help="stage 2: LoRA adapters of this rank (0: full model)")
+    p.add_argument("--calibrate-rows", type=int, default=0,
+                   help="before training, scale each KDA head's output to the RMS of the teacher's attention head "
+                        "on this many training rows (0: off; for a student fresh from the converter)")
     p.add_argument("--trainable", choices=("all", "kda"), default="all",
                    help="stage 2: train every weight, or the KDA layers only (the rest stays the teacher's, so "
-                        "the student ships as the teacher plus its KDA layers; examples/student_delta.py)")
+                        "the student ships as the teacher plus its KDA layers: python -m kda_hybrid.conversion.delta)")
     args = add_arguments(p).parse_args(argv)
-    if args.temperature <= 0 or args.kl_weight < 0 or args.ce_weight < 0 or args.lora_rank < 0:
-        p.error("--temperature must be > 0 and --kl-weight, --ce-weight, --lora-rank >= 0")
+    if args.temperature <= 0 or min(args.kl_weight, args.ce_weight, args.lora_rank, args.calibrate_rows) < 0:
+        p.error("--temperature must be > 0 and --kl-weight, --ce-weight, --lora-rank, --calibrate-rows >= 0")
     if args.lora_rank and args.trainable == "kda":
         p.error("--lora-rank and --trainable kda are two different choices of what trains; pick one")
     if args.stage == 1 and args.lora_rank:
@@ -225,8 +300,8 @@ def main(argv=None) -> dict:
     state = {}
 
     def build(meta):
-        state["student"] = build_student(args)
-        state["teacher"] = load(args.teacher)
+        state["teacher"] = load(args.teacher).eval()
+        state["student"] = build_student(args, state["teacher"], meta)
         return state["student"]
 
     def loss(model, batch):

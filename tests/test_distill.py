@@ -159,12 +159,17 @@ def test_stage_2_trainable_kda_changes_only_the_kda_layers(setup, tmp_path):
 
 
 def test_stage_1_resume_after_a_stop_equals_uninterrupted(setup, tmp_path):
+    """With --calibrate-rows too: the first run calibrates, the resumed run takes the weights from its checkpoint."""
     root, _ = setup
     whole, split = tmp_path / "whole", tmp_path / "split"
-    run_example("distill.py", *distill_args(setup, 1, root / "student", whole))
-    run_example("distill.py", *distill_args(setup, 1, root / "student", split, "--max-minutes", "1e-9"))
+    cal = ("--calibrate-rows", "2")
+    assert "calibrated the KDA heads" in run_example("distill.py", *distill_args(setup, 1, root / "student", whole,
+                                                                                 *cal)).stdout
+    first = run_example("distill.py", *distill_args(setup, 1, root / "student", split, *cal, "--max-minutes", "1e-9"))
+    assert "calibrated the KDA heads" in first.stdout
     assert len([r for r in log(split) if "loss" in r]) == 1
-    run_example("distill.py", *distill_args(setup, 1, root / "student", split, "--resume"))
+    resumed = run_example("distill.py", *distill_args(setup, 1, root / "student", split, *cal, "--resume"))
+    assert "calibrated" not in resumed.stdout
     a, b = load_file(whole / "final" / "model.safetensors"), load_file(split / "final" / "model.safetensors")
     assert [r["loss"] for r in log(whole) if "loss" in r] == [r["loss"] for r in log(split) if "loss" in r]
     for name in a:
@@ -286,3 +291,60 @@ def test_prepare_data_chats_join_the_training_split_through_the_chat_template(tm
     chats.write_text(chats.read_text() + '{"user": "no reply"}\n')
     r = prepare(tmp_path / "bad", check=False)
     assert r.returncode != 0 and "chats.jsonl:4" in r.stderr and not (tmp_path / "bad").exists()
+
+
+def test_calibration_scales_each_kda_head_to_the_teachers_rms(setup):
+    """calibrate_kda_outputs: per KDA layer and head, the factor is the RMS of the head's share of the teacher's
+    o_proj output over the student's (measured here with the test's own hooks), applied to that head's o_proj
+    columns and to nothing else; calibrating again leaves the first layer (whose input did not change) alone."""
+    from transformers import AutoModelForCausalLM
+
+    from kda_hybrid.train.data import load_tokens, make_batch
+
+    distill = _distill_module()
+    root, data = setup
+    teacher = AutoModelForCausalLM.from_pretrained(root / "teacher", dtype=torch.float32)
+    student = AutoModelForCausalLM.from_pretrained(root / "student", trust_remote_code=True, dtype=torch.float32)
+    with torch.no_grad():
+        student.model.layers[2].self_attn.o_proj.weight.mul_(7.0)  # a louder layer: its factors must say so
+    tokens = load_tokens(data / "train.bin")
+    batches = [make_batch(tokens, [row], SEQ_LEN, bos_id=1) for row in (0, 5)]
+    heads, seen = student.config.linear_num_heads, {}
+    for who, model in (("teacher", teacher), ("student", student)):
+        for i in (0, 2):
+            model.model.layers[i].self_attn.o_proj.register_forward_pre_hook(
+                lambda m, a, key=(who, i): seen.setdefault(key, []).append(a[0].detach()))
+    with torch.no_grad():
+        for b in batches:
+            distill.teacher_forward(teacher, b["input_ids"], b["position_ids"])
+            student(input_ids=b["input_ids"], position_ids=b["position_ids"])
+
+    def head_rms(key, weight):
+        x = torch.cat(seen.pop(key), 1)[0]  # [N, H * V]
+        width = x.shape[-1] // heads
+        return torch.stack([(x[:, h * width:(h + 1) * width] @ weight[:, h * width:(h + 1) * width].T).pow(2).mean()
+                            for h in range(heads)]).sqrt()
+
+    sd = student.state_dict()
+    expected = {i: head_rms(("teacher", i), teacher.state_dict()[f"model.layers.{i}.self_attn.o_proj.weight"])
+                / head_rms(("student", i), sd[f"model.layers.{i}.self_attn.o_proj.weight"]) for i in (0, 2)}
+    before = {n: p.clone() for n, p in sd.items()}
+    factors = distill.calibrate_kda_outputs(teacher, student, batches)
+    assert set(factors) == {0, 2}
+    after = student.state_dict()
+    for i in (0, 2):
+        torch.testing.assert_close(factors[i], expected[i], rtol=1e-4, atol=0)
+        assert not torch.allclose(factors[i], torch.ones(heads), rtol=0.05)
+        name = f"model.layers.{i}.self_attn.o_proj.weight"
+        w0 = before.pop(name)
+        width = w0.shape[1] // heads
+        for h in range(heads):  # head h owns o_proj's input columns h * width .. (h + 1) * width
+            cols = slice(h * width, (h + 1) * width)
+            torch.testing.assert_close(after[name][:, cols], w0[:, cols] * expected[i][h], rtol=1e-4, atol=0)
+    assert all(torch.equal(after[n], t) for n, t in before.items())
+    again = distill.calibrate_kda_outputs(teacher, student, batches)
+    torch.testing.assert_close(again[0], torch.ones(heads), rtol=1e-4, atol=0)
+    other = AutoModelForCausalLM.from_config(type(teacher.config)(**{
+        **teacher.config.to_dict(), "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 8}))
+    with pytest.raises(ValueError, match="not a conversion of this teacher"):
+        distill.calibrate_kda_outputs(other, student, batches[:1])

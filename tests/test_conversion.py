@@ -861,20 +861,23 @@ def test_sigkill_from_outside_at_random_times(tmp_path, seed):
         dst.parent.mkdir()
         args = cmd[:4] + [str(dst)] + cmd[5:] + (["--overwrite"] if overwrite else [])
         fraction = rng.uniform(0.3, 1.0)
-        for _ in range(8):  # a kill that would land after the run ended is retried earlier: every one is mid-run
+        for _ in range(8):  # a run that ended before its kill is retried with an earlier one: every kill is mid-run
             if overwrite:
                 convert(src, dst, dtype="bfloat16", progress=False, overwrite=True)
             elif dst.exists():
                 shutil.rmtree(dst)
             child = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(fraction * duration)
-            if child.poll() is None:
+            # os.kill, not Popen.send_signal, which skips a child it finds ended: the exit status then says
+            # whether the kill or the end of the run came first (a child between the two is still unreaped)
+            os.kill(child.pid, signal.SIGKILL)
+            returncode = child.wait()
+            if returncode == -signal.SIGKILL:
                 break
+            assert returncode == 0, f"run {i}: the conversion failed on its own ({returncode})"
             fraction /= 2
         else:
             raise AssertionError(f"run {i}: every conversion ended before its kill ({duration:.2f} s runs)")
-        child.send_signal(signal.SIGKILL)
-        assert child.wait() == -signal.SIGKILL
         assert _digest(dst) in ([new_ref, old_ref] if overwrite else [new_ref, None])
         if _digest(dst) != new_ref or overwrite:
             convert(src, dst, overwrite=overwrite, max_shard_size="50KB", progress=False)

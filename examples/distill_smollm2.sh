@@ -16,6 +16,10 @@ DATA=${DATA:-out/data/smollm2}
 PATTERNS=${PATTERNS:-"kkA kkkkA"}
 THREADS=${THREADS:-1}
 STAGE1_STEPS=${STAGE1_STEPS:-120}
+# 0 reproduces the shipped student; 4 scales the converted student's KDA heads to the teacher's before stage 1
+# (examples/distill.py --calibrate-rows). CALIBRATE_ROWS=4 STAGE1_STEPS=0 is the measured calibrated start: stage 1
+# only calibrates, stage 2 trains from there (docs/smollm2.md, "a calibrated start")
+CALIBRATE_ROWS=${CALIBRATE_ROWS:-0}
 STAGE2_STEPS=${STAGE2_STEPS:-45}
 CHATS=${CHATS:-190}            # teacher chats to generate (resumable; about 8 s each on 2 threads)
 CHAT_REPEAT=${CHAT_REPEAT:-20} # each chat this many times in the mix: a third of its tokens
@@ -32,7 +36,8 @@ for P in $PATTERNS; do
     [ -d "$OUT/student-$P" ] || python -m kda_hybrid.conversion "$TEACHER" "$OUT/student-$P" --layer-types "$P" \
         --no-progress
     python examples/distill.py "${COMMON[@]}" --stage 1 --teacher "$TEACHER" --student "$OUT/student-$P" \
-        --out "$OUT/distill-1-$P" --steps "$STAGE1_STEPS" --lr 1e-3 --warmup 10 --eval-every 0 --seed 1
+        --out "$OUT/distill-1-$P" --steps "$STAGE1_STEPS" --lr 1e-3 --warmup 10 --eval-every 0 --seed 1 \
+        --calibrate-rows "$CALIBRATE_ROWS"
     python examples/distill.py "${COMMON[@]}" --stage 2 --trainable kda --teacher "$TEACHER" \
         --student "$OUT/distill-1-$P/final" --out "$OUT/distill-2-$P" --steps "$STAGE2_STEPS" --lr 3e-4 \
         --warmup 5 --eval-every 0 --seed 2

@@ -23,20 +23,19 @@ DDP/FSDP2 under torchrun or accelerate, bf16 autocast, `--save-every` checkpoint
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from kda_hybrid.layers_kda_hybrid import packed_cu_seqlens
-from kda_hybrid.train.data import IGNORE_INDEX
-from kda_hybrid.train.loop import add_arguments, fit
+from kda_hybrid.train.data import IGNORE_INDEX, load_tokens, make_batch, num_rows
+from kda_hybrid.train.loop import add_arguments, fit, resumable_checkpoint
 
 
 def load(path: str):
     """A model folder, or a GGUF file (dequantised to float32 by transformers' GGUF loader: the teacher exactly as
     the converter read it)."""
-    from pathlib import Path
-
     from transformers import AutoModelForCausalLM
 
     if str(path).lower().endswith(".gguf"):
@@ -231,10 +230,6 @@ def calibrate_kda_outputs(teacher, student, batches) -> dict[int, torch.Tensor]:
 
 def calibration_batches(args, meta) -> list[dict[str, torch.Tensor]]:
     """--calibrate-rows rows of the training split, spread evenly over it, one batch each."""
-    from pathlib import Path
-
-    from kda_hybrid.train.data import load_tokens, make_batch, num_rows
-
     tokens = load_tokens(Path(args.data) / "train.bin")
     n = num_rows(tokens, args.seq_len)
     rows = sorted({k * n // args.calibrate_rows for k in range(args.calibrate_rows)})
@@ -244,10 +239,6 @@ def calibration_batches(args, meta) -> list[dict[str, torch.Tensor]]:
 def build_student(args, teacher=None, meta=None):
     """The student to train: --student, calibrated against `teacher` first when --calibrate-rows (not when resuming
     from a checkpoint, which holds the weights), then frozen / wrapped as --stage, --trainable and --lora-rank say."""
-    from pathlib import Path
-
-    from kda_hybrid.train.loop import resumable_checkpoint
-
     student = load(args.student)
     if student.config.model_type != "kda_hybrid" or not kda_layer_indices(student):
         raise ValueError(f"--student {args.student}: expected a KDA hybrid with KDA layers (convert the teacher with "

@@ -308,10 +308,17 @@ class KVLayerState(KDAHybridCacheLayer):
         """NaN at the newest tokens where `bad` [B, T] (the last update's tokens): the attention layer computed that
         update from zeros in their place (_CausalThroughNonFinite), and a later query that sees one must be NaN."""
         T = bad.shape[1]
+        marked = []
         for buf in (self._keys, self._values):
+            if buf.requires_grad:
+                # the attention just saved views of this buffer for its backward (a forward with gradients into a
+                # cache): writing it in place would fail that backward's version check, so mark a copy
+                buf = buf.clone()
             rows = buf[..., self.length - T : self.length, :]
             rows.copy_(torch.where(bad[:, None, :, None], torch.full((), float("nan"), dtype=buf.dtype,
                                                                     device=buf.device), rows))
+            marked.append(buf)
+        self._keys, self._values = marked
 
     def _grow(self, old: torch.Tensor | None, new: torch.Tensor, capacity: int) -> torch.Tensor:
         buf = new.new_empty(*new.shape[:-2], capacity, new.shape[-1])

@@ -67,6 +67,16 @@ def test_intermediate_states_of_a_meta_pack_need_host_offsets():
         chunk_kda(*xs, cu_seqlens=CU.to("meta"), return_intermediate_states=True)
 
 
+@pytest.mark.parametrize("backend", ["torch", "reference", "triton", "auto"])
+@pytest.mark.parametrize("op", [chunk_kda, fused_recurrent_kda], ids=["chunk", "recurrent"])
+def test_real_inputs_with_meta_offsets_are_refused_naming_the_devices(op, backend):
+    """Real tokens with meta cu_seqlens crashed deep inside ('Cannot copy out of meta tensor'), and the triton
+    backend's hint pointed at backend='torch', which crashed the same way: one clear error on every backend."""
+    xs = make_inputs(1, 70, 2, 16, 16)[:5]
+    with pytest.raises(ValueError, match=r"cu_seqlens is on meta but q is on cpu.*q's device \(cpu\) or the CPU"):
+        op(*xs, cu_seqlens=CU.to("meta"), output_final_state=True, backend=backend)
+
+
 @pytest.mark.parametrize("attention,moe", [("mla", False), ("mla", True), ("gqa", True)])
 def test_model_under_meta_device_gives_a_real_runs_shapes(attention, moe):
     """Built and run under torch.device("meta"): a 40-token forward with labels and a cache, then a decode step;

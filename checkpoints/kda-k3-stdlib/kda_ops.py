@@ -145,6 +145,10 @@ def _check(q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu, b
     if cu_seqlens_cpu is not None and cu_seqlens is None:
         raise ValueError("cu_seqlens_cpu is a host copy of cu_seqlens; pass cu_seqlens too")
     if cu_seqlens is not None:
+        if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.is_meta and not q.is_meta:
+            raise ValueError(f"cu_seqlens is on meta but q is on {q.device}: meta offsets hold no values to split "
+                             f"real tokens by; pass them on q's device ({q.device}) or the CPU (or make every input "
+                             "meta for shapes only)")
         if B != 1:
             raise ValueError(f"with cu_seqlens the batch size must be 1 (sequences packed along T), got B={B}")
         if cu_seqlens_cpu is not None:  # the host copy is read, so the device tensor needs no sync

@@ -8,6 +8,7 @@ from transformers import (
     AutoModelForTokenClassification,
 )
 
+from . import _moved
 from .cache_kda_hybrid import KDAHybridCache
 from .configuration_kda_hybrid import KDAHybridConfig
 from .inference.long_context import prefill
@@ -21,6 +22,8 @@ from .modeling_kda_hybrid import (
 )
 
 __version__ = "0.1.0"
+
+_moved.install()  # the previous release's module paths (kda_hybrid.trainer, ...) still import, with a warning
 
 AutoConfig.register(KDAHybridConfig.model_type, KDAHybridConfig, exist_ok=True)
 AutoModel.register(KDAHybridConfig, KDAHybridModel, exist_ok=True)

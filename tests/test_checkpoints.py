@@ -22,6 +22,7 @@ from .test_conversion import random_state_dict
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = Path(kda_hybrid.__file__).parent
 TEST_ONLY_TOP_LEVEL = {"kda_triton_twins.py"}  # the Triton stages' PyTorch twins: oracles, carried by no checkpoint
+PACKAGE_ONLY_TOP_LEVEL = {"_moved.py"}  # the previous release's import paths, kept for one release
 
 
 # the shipped checkpoints and their loss on the snippet below, fp32 on CPU (an untrained model gives ln 2048 = 7.6;
@@ -131,9 +132,10 @@ def _imports(path: Path) -> list[tuple[str, list[str], int]]:
 
 def test_the_top_level_is_what_a_checkpoint_carries():
     """kda_hybrid/ shows its structure: at the top, the modules a checkpoint carries (the modeling file and all it
-    imports, found by transformers' own rule) plus the Triton twins; tooling lives in sub-packages."""
+    imports, found by transformers' own rule) plus the Triton twins and the moved paths' finder; tooling lives in
+    sub-packages."""
     top = {p.name for p in PACKAGE.glob("*.py")} - {"__init__.py"}
-    assert top == set(CARRIED_MODULES) | TEST_ONLY_TOP_LEVEL
+    assert top == set(CARRIED_MODULES) | TEST_ONLY_TOP_LEVEL | PACKAGE_ONLY_TOP_LEVEL
     assert {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()} == {
         "bench", "conversion", "inference", "train"}
     for name in CARRIED_MODULES:  # flat: a checkpoint folder has no sub-packages to import from

@@ -3,6 +3,13 @@ own caches, generate() with use_cache=False or inputs_embeds over a cache, conti
 batch, resize_token_embeddings, dtype="auto", explicit all-ones and fully padded masks. Each either gives the
 answer of the plain path or raises an error that says what is supported."""
 
+import importlib
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
@@ -265,3 +272,50 @@ def test_fully_padded_row_is_an_empty_sequence(attention):
         torch.testing.assert_close(nxt.logits[1], model(step[1:2]).logits[0], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(nxt.logits[[0, 2]], model(step, cache=plain.cache).logits[[0, 2]],
                                    rtol=1e-5, atol=1e-6)
+
+
+MOVED_PATHS = {  # the previous release's documented module paths -> a name each must still give, and its home
+    "kda_hybrid.long_context": ("prefill", "kda_hybrid.inference.long_context"),
+    "kda_hybrid.training": ("make_batch", "kda_hybrid.train.data"),
+    "kda_hybrid.trainer": ("fit", "kda_hybrid.train.loop"),
+    "kda_hybrid.shapes": ("tiny_6p5m", "kda_hybrid.bench.shapes"),
+    "kda_hybrid.benchmarking": ("native_twin", "kda_hybrid.bench.native"),
+    "kda_hybrid.model_card_kda_hybrid": ("write_model_card", "kda_hybrid.checkpoint_kda_hybrid"),
+}
+
+
+def test_moved_module_paths_import_with_a_warning_naming_the_new_path():
+    """Each moved path imports (in a fresh process: a module is imported once per process), warns once with a
+    DeprecationWarning that names the new path and points at the importing line, and gives the new module's
+    objects themselves; a name it lacks is an AttributeError naming the new path."""
+    code = textwrap.dedent("""
+        import importlib, sys, warnings
+        warnings.simplefilter("always")
+        for old, (name, new) in MOVED_PATHS.items():
+            with warnings.catch_warnings(record=True) as seen:
+                got = getattr(importlib.import_module(old), name)  # the line the warning must point at
+            moved = [w for w in seen if issubclass(w.category, DeprecationWarning) and f"{old} moved" in str(w.message)]
+            assert len(moved) == 1, (old, [str(w.message) for w in seen])
+            assert new in str(moved[0].message), moved[0].message
+            assert moved[0].filename == __file__, (old, moved[0].filename, __file__)
+            assert got is getattr(importlib.import_module(new), name), old
+            old_module = sys.modules[old]
+            assert name in dir(old_module), old
+            try:
+                old_module.no_such_name
+            except AttributeError as e:
+                assert "moved to" in str(e) and new in str(e), e
+            else:
+                raise AssertionError(f"{old}: a missing name must raise AttributeError")
+        from kda_hybrid.trainer import fit  # the from-import form
+        assert fit is importlib.import_module("kda_hybrid.train.loop").fit
+    """)
+    script = Path(tempfile.mkdtemp()) / "use_old_paths.py"
+    script.write_text(f"MOVED_PATHS = {MOVED_PATHS!r}\n" + code)
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+def test_unknown_submodule_still_fails_as_before():
+    with pytest.raises(ModuleNotFoundError, match="kda_hybrid.no_such_module"):
+        importlib.import_module("kda_hybrid.no_such_module")

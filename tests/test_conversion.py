@@ -661,24 +661,98 @@ def test_help_says_where_a_killed_run_leaves_its_staging_folder(capsys):
     assert ".<DST name>.kdaconv-<random>.partial" in text and "--clean DIR" in text and "SIGKILL" in text
 
 
-def test_sigterm_during_a_cli_run_removes_its_staging_folder(tmp_path, tiny_src, monkeypatch):
-    """SIGTERM (kill, a scheduler's stop) ends a CLI run as Ctrl-C does: the staging folder is removed and DST
-    never appears; the exit status is 128 + SIGTERM."""
+def test_clean_walks_the_folders_under_dir_and_dry_run_only_lists(tmp_path, capsys):
+    """--clean DIR finds dead runs' staging folders in DIR and every folder below it (not inside a staging folder,
+    not through symlinks); --dry-run lists them, with the live and foreign ones it leaves alone, and changes
+    nothing; --dry-run alone is a usage error."""
+    import fcntl
+
+    nested = tmp_path / "runs" / "2026" / "deep"
+    nested.mkdir(parents=True)
+    top = _dead_staging(tmp_path, "top", 5000)
+    deep = _dead_staging(nested, "model", 270_000)
+    inner = _dead_staging(deep, "inside")  # inside a staging folder: part of it, not a run of its own
+    live = _dead_staging(tmp_path / "runs", "busy", tag="ba9876543210")
+    foreign = tmp_path / "runs" / ".x.kdaconv-cccccccccccc.partial"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    elsewhere = tmp_path.parent / f"{tmp_path.name}-elsewhere"
+    elsewhere.mkdir()
+    outside = _dead_staging(elsewhere, "outside")
+    (tmp_path / "link").symlink_to(elsewhere, target_is_directory=True)
+    before = snapshot(tmp_path)
+    fd = os.open(live, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        assert cli_main(["--clean", str(tmp_path), "--dry-run"]) == 0
+        out = capsys.readouterr().out
+        assert snapshot(tmp_path) == before and outside.exists(), "a dry run changed something"
+        assert f"{tmp_path}: would remove {top.name} (4.9 KiB), left by a killed run" in out, out
+        assert f"{nested}: would remove {deep.name} (264.8 KiB), left by a killed run" in out, out  # inner's too
+        assert f"{live.name} (1.0 KiB): a running conversion's, left alone" in out, out
+        assert f"{foreign.name}: not written by this tool" in out, out
+        assert inner.name not in out and outside.name not in out, out
+        assert cli_main(["--clean", str(tmp_path)]) == 0
+        out = capsys.readouterr().out
+        assert f"{nested}: removed {deep.name}" in out and f"{tmp_path}: removed {top.name}" in out, out
+        assert not top.exists() and not deep.exists() and live.exists() and foreign.exists() and outside.exists()
+    finally:
+        os.close(fd)
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["--dry-run", "src", "dst"])
+    assert exit_.value.code == 2 and "--dry-run goes with --clean" in capsys.readouterr().err
+
+
+def test_a_run_names_its_staging_folder_and_a_failed_cleanup_says_where_it_is(tmp_path, tiny_src, monkeypatch,
+                                                                             caplog):
+    """The first thing a run logs is its staging folder (what a SIGKILLed run leaves); a failure whose cleanup
+    fails too is one error naming the folder left behind and the command that removes it."""
+    import logging
+
+    from kda_hybrid.conversion import publish
+
+    with caplog.at_level(logging.INFO, logger="kda_hybrid.conversion"):
+        convert(tiny_src, tmp_path / "ok", progress=False)
+    staged = [r.getMessage() for r in caplog.records if "writing into" in r.getMessage()]
+    assert len(staged) == 1 and f"{tmp_path}/.ok.kdaconv-" in staged[0] and "--clean" in staged[0], staged
+
+    def broken_publish(self, **kwargs):
+        raise OSError(5, "Input/output error")
+
+    def stuck_discard(self):
+        raise PermissionError(13, "Permission denied", str(self.path))
+
+    monkeypatch.setattr(publish.Staging, "publish", broken_publish)
+    monkeypatch.setattr(publish.Staging, "discard", stuck_discard)
+    with pytest.raises(ConversionError) as err:
+        convert(tiny_src, tmp_path / "out", progress=False)
+    (left,) = [tmp_path / name for name in leftovers(tmp_path)]
+    message = str(err.value)
+    assert "Input/output error" in message and str(left) in message, message
+    assert f"python -m kda_hybrid.conversion --clean {tmp_path}" in message and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGHUP"])
+def test_sigterm_during_a_cli_run_removes_its_staging_folder(tmp_path, tiny_src, monkeypatch, signame):
+    """SIGTERM (kill, a scheduler's stop) and SIGHUP (the terminal closed) end a CLI run as Ctrl-C does: the
+    staging folder is removed and DST never appears; the exit status is 128 + the signal."""
     import signal
 
     from kda_hybrid.conversion import publish
 
+    sig = getattr(signal, signame)
+
     def terminated(self, **kwargs):
-        os.kill(os.getpid(), signal.SIGTERM)
-        raise AssertionError("SIGTERM was not delivered")
+        os.kill(os.getpid(), sig)
+        raise AssertionError(f"{signame} was not delivered")
 
     monkeypatch.setattr(publish.Staging, "publish", terminated)
-    before = signal.getsignal(signal.SIGTERM)
+    before = signal.getsignal(sig)
     with pytest.raises(SystemExit) as exit_:
         cli_main([str(tiny_src), str(tmp_path / "out"), "--no-progress"])
-    assert exit_.value.code == 128 + signal.SIGTERM
+    assert exit_.value.code == 128 + sig
     assert leftovers(tmp_path) == [] and not (tmp_path / "out").exists()
-    assert signal.getsignal(signal.SIGTERM) is before
+    assert signal.getsignal(sig) is before
 
 
 def _digest(folder: Path):

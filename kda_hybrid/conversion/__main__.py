@@ -1,4 +1,5 @@
-"""python -m kda_hybrid.conversion [--from FORMAT] [--to FORMAT] SRC DST, or --clean DIR (killed runs' leftovers)"""
+"""python -m kda_hybrid.conversion [--from FORMAT] [--to FORMAT] SRC DST, or --clean DIR [--dry-run] (killed runs'
+leftovers)"""
 
 from __future__ import annotations
 
@@ -13,15 +14,17 @@ from .checkpoint import parse_size
 from .configs import KDA_HYBRID, SOURCE_FORMATS, TARGET_FORMATS
 from .convert import DTYPES, convert
 from .layout import ConversionError
-from .publish import recover_folder
+from .publish import recover_tree
 
 STAGING_HELP = (
-    "A run writes into a hidden staging folder next to DST, .<DST name>.kdaconv-<random>.partial, and renames it "
-    "to DST only when complete, so DST is never half written. Interrupted (Ctrl-C, SIGTERM) or failing, a run "
-    "removes its staging folder; killed outright (SIGKILL, an OOM kill, power loss) it cannot, and the folder "
-    "stays, as large as what was written so far. Every later run removes such leftovers of dead runs beside its "
-    "DST, whatever their destination; --clean DIR removes those in DIR without converting. Folders of runs still "
-    "running (they hold a lock) and folders this tool did not write are never touched.")
+    "A run writes into a hidden staging folder next to DST, .<DST name>.kdaconv-<random>.partial (its first log "
+    "line names it), and renames it to DST only when complete, so DST is never half written. Interrupted (Ctrl-C, "
+    "SIGTERM, SIGHUP) or failing, a run removes its staging folder (and its error names the folder if it could "
+    "not); killed outright (SIGKILL, an OOM kill, power loss) it cannot, and the folder stays, as large as what was "
+    "written so far. Every later run removes such leftovers of dead runs beside its DST, whatever their "
+    "destination; --clean DIR removes those in DIR and in every folder under it without converting, and --clean "
+    "DIR --dry-run lists them (and the folders it would leave alone) without removing anything. Folders of runs "
+    "still running (they hold a lock) and folders this tool did not write are never touched.")
 
 
 def _shard_size(text: str) -> int:
@@ -42,7 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("src", nargs="?", help="source checkpoint folder, or a Llama-family .gguf file")
     parser.add_argument("dst", nargs="?", help="output folder (must not exist unless --overwrite)")
     parser.add_argument("--clean", metavar="DIR", default=None,
-                        help="remove the staging folders that killed runs left in DIR (see below), then exit")
+                        help="remove the staging folders that killed runs left in DIR or under it (see below), "
+                             "then exit")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="with --clean: list what it would remove (and what it leaves alone), remove nothing")
     parser.add_argument("--from", dest="source", choices=SOURCE_FORMATS, default=None,
                         help="source layout; default: detected from config.json and the tensor names")
     parser.add_argument("--to", dest="target", choices=TARGET_FORMATS, default=KDA_HYBRID,
@@ -74,16 +80,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.clean is not None:
         if args.src is not None or args.dst is not None:
             parser.error("--clean DIR takes no SRC or DST (it converts nothing)")
-        return _clean(args.clean)
+        return _clean(args.clean, dry_run=args.dry_run)
+    if args.dry_run:
+        parser.error("--dry-run goes with --clean DIR (a conversion has no dry run)")
     for name in ("src", "dst"):
         if getattr(args, name) is None:
             parser.error(f"{name.upper()} is required (or --clean DIR)")
         if not getattr(args, name).strip():
             parser.error(f"{name.upper()} must be a folder path, got an empty string")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
-    # SIGTERM (kill, a job scheduler's stop) as an exception, so that the staging folder is removed as on Ctrl-C
+    # SIGTERM (kill, a job scheduler's stop) and SIGHUP (the terminal closed) as an exception, so that the staging
+    # folder is removed as on Ctrl-C
     main_thread = threading.current_thread() is threading.main_thread()  # signal handlers only there
-    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
+    previous = {sig: signal.signal(sig, _terminate) for sig in _STOP_SIGNALS} if main_thread else {}
     try:
         out = convert(args.src, args.dst, source=args.source, target=args.target, dtype=args.dtype,
                       max_shard_size=args.max_shard_size, overwrite=args.overwrite,
@@ -96,30 +105,33 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 1
     finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     print(f"wrote {out}")
     return 0
+
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
 def _terminate(signum, frame):
     raise SystemExit(128 + signum)
 
 
-def _clean(folder: str) -> int:
+def _clean(folder: str, *, dry_run: bool) -> int:
     path = Path(folder)
     if not path.is_dir():
         print(f"error: --clean {folder}: not a folder", file=sys.stderr)
         return 1
     try:
-        done = recover_folder(path)
+        done = recover_tree(path, dry_run=dry_run)
     except OSError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    for line in done:
-        print(f"{path}: {line}")
+    for where, line in done:
+        print(f"{where}: {line}")
     if not done:
-        print(f"{path}: no staging folder of a killed run")
+        print(f"{path}: no staging folder of a killed run here or below")
     return 0
 
 

@@ -329,6 +329,9 @@ def _stage_and_publish(dst: Path, dst_real: Path, fill, carried: list[Path], cod
     check_free_space(dst_real, needed)
     dst_real.parent.mkdir(parents=True, exist_ok=True)
     staging = Staging(dst_real, manifest)
+    logger.info("writing into %s (renamed to %s when complete; a killed run leaves it behind, and "
+                "`python -m kda_hybrid.conversion --clean %s` removes it)", staging.path, dst_real.name,
+                dst_real.parent)
     try:
         fill(staging.path)
         for path in carried:
@@ -336,7 +339,13 @@ def _stage_and_publish(dst: Path, dst_real: Path, fill, carried: list[Path], cod
                 shutil.copyfile(path, staging.path / path.name)
         staging.publish(overwrite=overwrite)
     except BaseException as err:
-        staging.discard()
+        try:
+            staging.discard()
+        except BaseException as cleanup:
+            raise ConversionError(f"{dst}: the conversion failed ({type(err).__name__}: {err}) and its staging "
+                                  f"folder {staging.path} could not be removed ({type(cleanup).__name__}: "
+                                  f"{cleanup}); `python -m kda_hybrid.conversion --clean {dst_real.parent}` removes "
+                                  "it once nothing holds it") from err
         if isinstance(err, Exception) and is_out_of_space(err):
             free = shutil.disk_usage(dst_real.parent).free
             raise ConversionError(f"{dst}: no space left on the device while writing: the output needs {needed:,} "

@@ -159,13 +159,26 @@ def _same_inode(fd: int, path: Path) -> bool:
 _STAGING_NAME = re.compile(r"\.(?P<dst>.+)" + re.escape(_TAG) + r"[0-9a-f]{12}\.(?:partial|old)")
 
 
-def recover_folder(parent: Path) -> list[str]:
+def recover_folder(parent: Path, *, dry_run: bool = False) -> list[str]:
     """recover() for every destination in `parent` that has staging folders: what killed runs left there, whatever
     their destination (a dead run's staging folder is garbage for any later run: its lock proves the run gone)."""
     if not parent.is_dir():
         return []
     names = sorted({m.group("dst") for p in parent.iterdir() if (m := _STAGING_NAME.fullmatch(p.name))})
-    return [line for name in names for line in recover(parent / name)]
+    return [line for name in names for line in recover(parent / name, dry_run=dry_run)]
+
+
+def recover_tree(root: Path, *, dry_run: bool = False) -> list[tuple[Path, str]]:
+    """recover_folder() in `root` and every folder under it (symlinks not followed, staging folders not entered):
+    (folder, what was done or, with `dry_run`, what would be done and what is left alone) for each staging
+    folder found."""
+    done: list[tuple[Path, str]] = []
+    for folder, subfolders, _ in os.walk(root, followlinks=False):
+        staged = [d for d in subfolders if _STAGING_NAME.fullmatch(d)]
+        subfolders[:] = sorted(set(subfolders) - set(staged))
+        if staged:
+            done += [(Path(folder), line) for line in recover_folder(Path(folder), dry_run=dry_run)]
+    return done
 
 
 def _size(path: Path) -> int:
@@ -178,12 +191,13 @@ def _ours(path: Path, dst: Path) -> str | None:
     return match.group(1) if match else None
 
 
-def recover(dst: Path) -> list[str]:
+def recover(dst: Path, *, dry_run: bool = False) -> list[str]:
     """Clean up after killed runs for `dst`; returns what was done (for the log).
 
     An unlocked `.old` folder with a complete manifest while DST is absent is the old output of a run killed
     between the two renames of the fallback publish: it is renamed back to DST. Every other unlocked staging
-    folder of DST (ours by name and manifest, or empty) is removed. Locked ones belong to live runs."""
+    folder of DST (ours by name and manifest, or empty) is removed. Locked ones belong to live runs. With
+    `dry_run` nothing changes: the lines say what would be done, and name the folders left alone too."""
     done: list[str] = []
     parent = dst.parent
     if not parent.is_dir():
@@ -196,21 +210,31 @@ def recover(dst: Path) -> list[str]:
             fd = _lock(path)
         except FileNotFoundError:  # removed meanwhile by another run's cleanup
             continue
-        if fd is None:
-            continue  # a live run
+        if fd is None:  # a live run
+            if dry_run:
+                done.append(f"{path.name} ({format_bytes(_size(path))}): a running conversion's, left alone")
+            continue
         try:
             if not _same_inode(fd, path):
                 continue
             manifest = read_manifest(path)
             if manifest is None and not {q.name for q in path.iterdir()} <= {MANIFEST, MANIFEST + ".tmp"}:
+                if dry_run:
+                    done.append(f"{path.name}: not written by this tool (no {MANIFEST}), left alone")
                 continue  # not recognisably ours: never delete it
             if (_ours(path, dst) == "old" and manifest is not None and manifest.get("complete") is True
                     and not os.path.lexists(dst)):
+                if dry_run:
+                    done.append(f"would restore the previous output {dst.name} from {path.name}")
+                    continue
                 if not _rename2(path, dst, _RENAME_NOREPLACE):
                     os.rename(path, dst)
                 done.append(f"restored the previous output from {path.name}")
                 continue
             size = _size(path)
+            if dry_run:
+                done.append(f"would remove {path.name} ({format_bytes(size)}), left by a killed run")
+                continue
             _remove(path)
             done.append(f"removed {path.name} ({format_bytes(size)}), left by a killed run")
         finally:

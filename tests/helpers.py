@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kda_hybrid import KDAHybridConfig, KDAHybridForCausalLM, chunk_kda
+from kda_hybrid.conversion import kimi_inventory
 
 # --------------------------------------------------------------------------------------------------
 # Tiny models
@@ -115,6 +116,31 @@ def tiny_kimi_config(**overrides):
     }
     cfg.update(overrides)
     return cfg
+
+
+def random_state_dict(cfg, *, seed=0, dtype=torch.float32):
+    """Random weights with realistic scales (unit activations, decays in the trained range, a router bias
+    large enough that biased and unbiased routing weights differ)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, spec in kimi_inventory(cfg).items():
+        shape = spec.shape
+        if name.endswith("A_log"):
+            t = torch.empty(shape).uniform_(1.0, 16.0, generator=gen).log()
+        elif name.endswith("dt_bias"):
+            t = torch.empty(shape).uniform_(-4.0, -1.0, generator=gen)
+        elif name.endswith("e_score_correction_bias"):
+            t = torch.rand(shape, generator=gen) * 0.5
+        elif len(shape) == 1:  # norms
+            t = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        elif name.endswith("conv1d.weight"):
+            t = 0.5 * torch.randn(shape, generator=gen)
+        elif name == "model.embed_tokens.weight":
+            t = torch.randn(shape, generator=gen)
+        else:
+            t = torch.randn(shape, generator=gen) / shape[-1] ** 0.5
+        out[name] = t.to(torch.float32 if spec.fp32 else dtype)
+    return out
 
 
 # --------------------------------------------------------------------------------------------------

@@ -16,8 +16,7 @@ from kda_hybrid.checkpoint_kda_hybrid import AUTO_MAP, CARRIED_MODULES
 from kda_hybrid.conversion import convert
 
 from ._native import save_checkpoint
-from .helpers import tiny_kimi_config
-from .test_conversion import random_state_dict
+from .helpers import random_state_dict, tiny_kimi_config
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = Path(kda_hybrid.__file__).parent

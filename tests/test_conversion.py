@@ -19,7 +19,14 @@ from kda_hybrid.conversion import ConversionError, convert, convert_state_dict, 
 from kda_hybrid.conversion.__main__ import main as cli_main
 
 from ._native import run_native, save_checkpoint
-from .helpers import assert_bit_exact, assert_close_rel, generate_with_logits, read_folder, tiny_kimi_config
+from .helpers import (
+    assert_bit_exact,
+    assert_close_rel,
+    generate_with_logits,
+    random_state_dict,
+    read_folder,
+    tiny_kimi_config,
+)
 
 # Every tensor name, shape and dtype of the real Kimi-Linear-48B-A3B checkpoint (20,493 rows, gzip: 62 KB).
 FIXTURE = Path(__file__).parent / "fixtures" / "kimi_linear_48b_a3b_tensors.tsv.gz"
@@ -45,31 +52,6 @@ REAL_CONFIG = {
 VARIANT = tiny_kimi_config(q_lora_rank=10, tie_word_embeddings=True, num_shared_experts=0, first_k_dense_replace=2,
                            linear_attn_config={"kda_layers": [2, 3, 4], "full_attn_layers": [1, 5], "head_dim": 4,
                                                "num_heads": 2, "short_conv_kernel_size": 3})
-
-
-def random_state_dict(cfg, *, seed=0, dtype=torch.float32):
-    """Random weights with realistic scales (unit activations, decays in the trained range, a router bias
-    large enough that biased and unbiased routing weights differ)."""
-    gen = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, spec in kimi_inventory(cfg).items():
-        shape = spec.shape
-        if name.endswith("A_log"):
-            t = torch.empty(shape).uniform_(1.0, 16.0, generator=gen).log()
-        elif name.endswith("dt_bias"):
-            t = torch.empty(shape).uniform_(-4.0, -1.0, generator=gen)
-        elif name.endswith("e_score_correction_bias"):
-            t = torch.rand(shape, generator=gen) * 0.5
-        elif len(shape) == 1:  # norms
-            t = 1.0 + 0.1 * torch.randn(shape, generator=gen)
-        elif name.endswith("conv1d.weight"):
-            t = 0.5 * torch.randn(shape, generator=gen)
-        elif name == "model.embed_tokens.weight":
-            t = torch.randn(shape, generator=gen)
-        else:
-            t = torch.randn(shape, generator=gen) / shape[-1] ** 0.5
-        out[name] = t.to(torch.float32 if spec.fp32 else dtype)
-    return out
 
 
 FORGET_GATE = ("f_a_proj.weight", "f_b_proj.weight", "dt_bias", "A_log")

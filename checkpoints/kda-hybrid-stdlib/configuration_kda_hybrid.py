@@ -718,23 +718,23 @@ class KDAHybridConfig(PretrainedConfig):
                 out[name] = getattr(self, name)
         if self.expert_quantization == MXFP4:
             out["quantization_config"] = k3_quantization_config()
-        if self.num_experts is None:  # all dense: every layer is one of the "first k dense" layers
-            out["first_k_dense_replace"] = self.num_hidden_layers
-        else:
-            out.update(
-                num_experts=self.num_experts,
-                num_experts_per_token=self.num_experts_per_tok,
-                moe_intermediate_size=self.moe_intermediate_size,
-                num_shared_experts=self.n_shared_experts,
-                first_k_dense_replace=self.first_k_dense_replace,
-                routed_scaling_factor=self.routed_scaling_factor,
-                moe_renormalize=self.norm_topk_prob,
-                moe_router_activation_func="sigmoid",
-                moe_layer_freq=1,
-                use_grouped_topk=True,
-                num_expert_group=1,
-                topk_group=1,
-            )
+        # the router keys a release carries, for dense models too: llama.cpp's converter and loader read them for
+        # every Kimi Linear model (a dense one is all "first k dense" layers, with no num_experts)
+        out.update(
+            num_experts_per_token=self.num_experts_per_tok,
+            moe_intermediate_size=self.moe_intermediate_size,
+            num_shared_experts=self.n_shared_experts,
+            first_k_dense_replace=self.num_hidden_layers if self.num_experts is None else self.first_k_dense_replace,
+            routed_scaling_factor=self.routed_scaling_factor,
+            moe_renormalize=self.norm_topk_prob,
+            moe_router_activation_func="sigmoid",
+            moe_layer_freq=1,
+            use_grouped_topk=True,
+            num_expert_group=1,
+            topk_group=1,
+        )
+        if self.num_experts is not None:
+            out["num_experts"] = self.num_experts
         return out
 
     @classmethod

@@ -39,11 +39,14 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m kda_hybrid.conversion",
         description="Convert a Kimi Linear checkpoint folder (sharded safetensors + config.json) between Moonshot's "
                     "original layout, transformers' native kimi_linear and kda_hybrid, or turn a Llama, Mistral, "
-                    "Qwen2 or Qwen3 checkpoint into a KDA hybrid (--layer-types). Streams one shard at a time.",
+                    "Qwen2 or Qwen3 checkpoint into a KDA hybrid (--layer-types), or write a Kimi Linear / K3 "
+                    "model as one GGUF file for llama.cpp (--to gguf, DST ending in .gguf). Streams one shard at a "
+                    "time.",
         epilog=STAGING_HELP,
     )
     parser.add_argument("src", nargs="?", help="source checkpoint folder, or a Llama-family .gguf file")
-    parser.add_argument("dst", nargs="?", help="output folder (must not exist unless --overwrite)")
+    parser.add_argument("dst", nargs="?", help="output folder, or .gguf file with --to gguf (must not exist unless "
+                                               "--overwrite)")
     parser.add_argument("--clean", metavar="DIR", default=None,
                         help="remove the staging folders that killed runs left in DIR or under it (see below), "
                              "then exit")

@@ -14,9 +14,10 @@ from ..configuration_kda_hybrid import ALIASES, KIMI_ONLY_KEYS
 from .layout import FILE_KEYS, ConversionError, as_config
 
 KIMI_LINEAR, TRANSFORMERS, KDA_HYBRID, KIMI_K3 = "kimi_linear", "transformers", "kda_hybrid", "kimi_k3"
+GGUF = "gguf"  # a llama.cpp file (to_gguf.py), target only
 _READ_KEYS = (*ALIASES, *KIMI_ONLY_KEYS)  # names KDAHybridConfig reads besides its own fields
 SOURCE_FORMATS = (KIMI_LINEAR, TRANSFORMERS, KDA_HYBRID, KIMI_K3)
-TARGET_FORMATS = (KDA_HYBRID, KIMI_LINEAR, KIMI_K3)
+TARGET_FORMATS = (KDA_HYBRID, KIMI_LINEAR, KIMI_K3, GGUF)
 
 # Names only a transformers-native kimi_linear checkpoint uses (fused or moved tensors).
 _NATIVE_MARKERS = (".self_attn.conv1d.weight", ".self_attn.forget_gate.", ".mlp.experts.gate_up_proj",

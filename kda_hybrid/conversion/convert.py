@@ -3,6 +3,7 @@ write output shards as they fill into a staging folder, and publish it atomicall
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import shutil
@@ -16,6 +17,7 @@ import torch
 from ..checkpoint_kda_hybrid import CARRIED_MODULES, write_checkpoint_metadata
 from .checkpoint import FolderSource, Header, MemorySink, MemorySource, ShardWriter, Source, name_list, parse_size
 from .configs import (
+    GGUF,
     KDA_HYBRID,
     KIMI_K3,
     KIMI_LINEAR,
@@ -49,6 +51,7 @@ from .publish import (
     MANIFEST,
     Staging,
     check_destination,
+    check_file_destination,
     check_free_space,
     check_paths,
     is_out_of_space,
@@ -248,7 +251,10 @@ def convert(src, dst, *, source: str | None = None, target: str = KDA_HYBRID, dt
     dst_real = check_paths(gguf or src, dst)  # never the source, inside it or around it: before anything is touched
     for line in recover_folder(dst_real.parent):  # what killed runs left beside DST (only ours, only dead runs')
         logger.warning("%s: %s", dst_real.parent, line)
-    check_destination(gguf or src, dst, overwrite=overwrite)
+    if target == GGUF:
+        check_file_destination(dst, dst_real, suffix=".gguf", magic=b"GGUF", overwrite=overwrite)
+    else:
+        check_destination(gguf or src, dst, overwrite=overwrite)
 
     attention = dict(layer_types=layer_types, target=target, cast=cast, max_bytes=max_bytes, overwrite=overwrite,
                      kda_init=kda_init or KDAInit(), progress=progress, patch=patch)
@@ -268,17 +274,22 @@ def convert(src, dst, *, source: str | None = None, target: str = KDA_HYBRID, dt
                               f"{src} is a {raw.get('model_type')!r} checkpoint, whose layer types are fixed")
     source_format = source or detect_format(raw, reader.headers)
     parsed = source_config(raw, source_format)
-    inventory = kimi_inventory(parsed)
-    headers, skipped = _text_headers(source_format, reader.headers)
-    plan = make_plan(headers, _groups(source_format, parsed, inventory, headers), inventory, cast)
     biased = source_router_semantics(raw, source_format)
     if router_weights_from_biased_scores is not None:
         biased = bool(router_weights_from_biased_scores)
+    if target == GGUF:  # what llama.cpp cannot run, named before the layout is even planned
+        parsed = _llama_cpp_config(parsed, biased)
+    inventory = kimi_inventory(parsed)
+    headers, skipped = _text_headers(source_format, reader.headers)
+    plan = make_plan(headers, _groups(source_format, parsed, inventory, headers), inventory, cast)
     dtype_name = str(cast or _main_dtype(plan)).removeprefix("torch.")
     logger.info("source format %s, %d tensors -> %s, %d tensors (%s; router weights from %s scores)",
                 source_format, len(reader.headers), target, len(inventory), dtype_name,
                 "biased" if biased else "unbiased")
 
+    if target == GGUF:
+        return _convert_to_gguf(src, dst, dst_real, parsed, plan, reader, cast=cast, overwrite=overwrite,
+                                progress=progress)
     if target == KIMI_LINEAR and parsed.uses_k3_features:
         raise ConversionError(f"target: a Kimi K3 model has no Kimi Linear layout; write it as {KIMI_K3!r} or "
                               f"{KDA_HYBRID!r}, got {target!r}")
@@ -346,11 +357,55 @@ def _stage_and_publish(dst: Path, dst_real: Path, fill, carried: list[Path], cod
                                   f"folder {staging.path} could not be removed ({type(cleanup).__name__}: "
                                   f"{cleanup}); `python -m kda_hybrid.conversion --clean {dst_real.parent}` removes "
                                   "it once nothing holds it") from err
-        if isinstance(err, Exception) and is_out_of_space(err):
-            free = shutil.disk_usage(dst_real.parent).free
-            raise ConversionError(f"{dst}: no space left on the device while writing: the output needs {needed:,} "
-                                  f"bytes, {free:,} bytes are free now (nothing was written)") from None
+        _raise_if_out_of_space(err, dst, dst_real, needed)
         raise
+
+
+def _raise_if_out_of_space(err: BaseException, dst: Path, dst_real: Path, needed: int) -> None:
+    """One clear error for a write that ran out of space (after its staging folder was removed)."""
+    if isinstance(err, Exception) and is_out_of_space(err):
+        free = shutil.disk_usage(dst_real.parent).free
+        raise ConversionError(f"{dst}: no space left on the device while writing: the output needs {needed:,} "
+                              f"bytes, {free:,} bytes are free now (nothing was written)") from None
+
+
+def _llama_cpp_config(config, biased: bool):
+    """`config` with the routing semantics this conversion writes, checked against what llama.cpp's graph runs."""
+    from .to_gguf import check_expressible
+
+    config = copy.copy(config)
+    config.router_weights_from_biased_scores = biased
+    check_expressible(config)  # the architecture is asked again when writing
+    return config
+
+
+def _convert_to_gguf(src: Path, dst: Path, dst_real: Path, config, plan: Plan, reader: Source, *, cast,
+                     overwrite: bool, progress: bool) -> Path:
+    """A Kimi Linear model (any source layout) -> one llama.cpp GGUF file `dst` (to_gguf.py), tokenizer included:
+    checked against what llama.cpp's graph runs and the tokenizer mapped before anything is written, streamed
+    into a staging folder and moved into place when complete."""
+    from .to_gguf import GGUFSink, check_expressible, metadata, tokenizer_metadata
+
+    arch = check_expressible(config)
+    kv = metadata(config, arch) + tokenizer_metadata(src, config.vocab_size)
+    dtype = cast or _main_dtype(plan)
+    needed = 2 * _output_bytes(plan)  # the streamed data, then the file
+    check_free_space(dst_real, needed)
+    dst_real.parent.mkdir(parents=True, exist_ok=True)
+    staging = Staging(dst_real, {"source": src.name, "target": GGUF, "dtype": str(dtype).removeprefix("torch.")})
+    logger.info("writing into %s (moved to %s when complete; a killed run leaves it behind, and "
+                "`python -m kda_hybrid.conversion --clean %s` removes it)", staging.path, dst_real.name,
+                dst_real.parent)
+    try:
+        sink = GGUFSink(staging.path / dst_real.name, config, arch, dtype, kv, name=src.name)
+        execute(plan, reader, sink, progress=progress)
+        sink.close()
+        staging.publish_file(dst_real.name, overwrite=overwrite)
+    except BaseException as err:
+        staging.discard()
+        _raise_if_out_of_space(err, dst, dst_real, needed)
+        raise
+    return dst
 
 
 def _convert_attention(src: Path, dst: Path, dst_real: Path, raw: dict, open_source, *, layer_types, target, cast,

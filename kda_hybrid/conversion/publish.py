@@ -93,6 +93,23 @@ def check_destination(src: Path, dst: Path, *, overwrite: bool) -> Path:
     return dst_real
 
 
+def check_file_destination(dst: Path, dst_real: Path, *, suffix: str, magic: bytes, overwrite: bool) -> None:
+    """A one-file output (a GGUF file): DST must end in `suffix`; an existing DST only with `overwrite`, and only a
+    regular file that starts with `magic` (a file of that format), never a folder or another file."""
+    if dst_real.suffix != suffix:
+        raise ConversionError(f"{dst}: the output is one file; give a path ending in {suffix}")
+    if not os.path.lexists(dst_real):
+        return
+    if not overwrite:
+        raise ConversionError(f"{dst} already exists; pass overwrite=True (--overwrite) to replace it")
+    if dst_real.is_symlink() or not dst_real.is_file():
+        raise ConversionError(f"{dst}: exists and is not a regular file; --overwrite only replaces a {suffix} file")
+    with open(dst_real, "rb") as f:
+        if f.read(len(magic)) != magic:
+            raise ConversionError(f"{dst}: exists and is not a {suffix} file (it does not start with {magic!r}); "
+                                  "--overwrite only replaces one")
+
+
 def _check_replaceable(dst: Path, shown: Path) -> None:
     if not dst.is_dir():
         raise ConversionError(f"{shown}: exists and is not a folder; --overwrite only replaces a folder")
@@ -306,6 +323,23 @@ class Staging:
         _fsync(dst.parent)
         os.close(self._fd)
         self._fd = None
+
+    def publish_file(self, name: str, *, overwrite: bool) -> None:
+        """Move the staged file `name` to DST (a one-file output), durably: at every instant DST is absent, the old
+        file or the complete new one; then the staging folder goes."""
+        staged = self.path / name
+        _fsync(staged)
+        if overwrite:
+            os.replace(staged, self.dst)  # atomic over an old file
+        elif not _rename2(staged, self.dst, _RENAME_NOREPLACE):
+            try:
+                os.link(staged, self.dst)  # fails if DST appeared meanwhile, as RENAME_NOREPLACE does
+            except FileExistsError:
+                raise ConversionError(f"{self.dst} appeared while converting; pass overwrite=True to replace "
+                                      "it") from None
+            staged.unlink()
+        _fsync(self.dst.parent)
+        self.discard()
 
     def discard(self) -> None:
         _remove(self.path)

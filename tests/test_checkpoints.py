@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -57,23 +58,42 @@ def test_shipped_checkpoint_loads_computes_its_loss_and_generates(name):
 
 @pytest.mark.parametrize("name", list(SHIPPED))
 def test_shipped_checkpoint_code_is_the_package_code(name):
-    """The checkpoint carries the flat modules trust_remote_code runs as real files (so the folder survives
-    `cp -r`, `git archive`, a zip and a Hub upload), byte-identical to the package's own; every module the
-    modeling file needs must be there."""
+    """The shipped folders hold the flat modules trust_remote_code runs as relative links into kda_hybrid/, so the
+    repository has the code once and a folder cannot drift from it (transformers copies what a link points at;
+    tests/test_hub.py loads them in a process that cannot import the package); every module the modeling file
+    needs must be there, and the model card names them."""
     import kda_hybrid
     from kda_hybrid.checkpoint_kda_hybrid import carried_modules
 
     folder = REPO / "checkpoints" / name
-    package = Path(kda_hybrid.__file__).parent
-    links = [m for m in carried_modules() if (folder / m).is_symlink()]
-    stale = [m for m in carried_modules()
-             if not (folder / m).is_file() or (folder / m).read_bytes() != (package / m).read_bytes()]
-    fix = f"run: python scripts/refresh_checkpoint_code.py {folder.relative_to(REPO)}"
-    assert not links, f"links dangle after a plain copy: {links}; {fix}"
-    assert not stale, f"differ from the package's modules: {stale}; {fix}"
+    package = Path(kda_hybrid.__file__).parent.resolve()
+    fix = f"run: python scripts/refresh_checkpoint_code.py --link {folder.relative_to(REPO)}"
+    wrong = [m for m in carried_modules() if not (folder / m).is_symlink()
+             or os.path.isabs(os.readlink(folder / m)) or (folder / m).resolve() != package / m]
+    assert not wrong, f"not relative links to the package's modules: {wrong}; {fix}"
+    ours = sorted(p.name for p in folder.glob("*.py"))
+    extra = set(ours) - set(carried_modules())
+    assert ours == sorted(carried_modules()), f"modules the package does not carry: {extra}"
     readme = (folder / "README.md").read_text()
     unnamed = [m for m in carried_modules() if f"`{m}`" not in readme]
     assert not unnamed, f"the model card does not name the carried modules {unnamed}"
+
+
+def test_saving_a_model_loaded_from_a_linked_folder_writes_real_files(tmp_path):
+    """What leaves the repository is self-contained: save_pretrained and the converter write the modules as files."""
+    from transformers import AutoModelForCausalLM
+
+    from kda_hybrid.checkpoint_kda_hybrid import carried_modules
+
+    src = REPO / "checkpoints" / "kda-hybrid-stdlib"
+    model = AutoModelForCausalLM.from_pretrained(src, trust_remote_code=True)
+    model.save_pretrained(tmp_path / "saved")
+    convert(src, tmp_path / "converted", progress=False)
+    for folder in (tmp_path / "saved", tmp_path / "converted"):
+        for m in carried_modules():
+            path = folder / m
+            assert path.is_file() and not path.is_symlink(), (folder.name, m)
+            assert path.read_bytes() == (src / m).read_bytes(), (folder.name, m)
 
 
 def _load_every_head(folder: Path) -> dict[str, torch.nn.Module]:

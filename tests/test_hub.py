@@ -124,6 +124,32 @@ def load_in_fresh_process(src: str, tmp_path: Path, env_extra: dict) -> dict:
     return json.loads(rest.rpartition(MARKER)[2].strip())
 
 
+@pytest.mark.parametrize("name", ["kda-hybrid-stdlib", "kda-k3-stdlib"])
+def test_shipped_folders_load_in_a_process_without_the_package(name, tmp_path):
+    """The shipped folders link their modules into kda_hybrid/ (the code exists once in the repository):
+    transformers copies what the links point at into its module cache, so a process that cannot import kda_hybrid
+    loads them, to our logits."""
+    from transformers import AutoModelForCausalLM
+
+    src = REPO_ROOT / "checkpoints" / name
+    code = BLOCKER + f"""
+import json, sys, torch
+torch.set_num_threads({THREADS})
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained({str(src)!r}, trust_remote_code=True, dtype=torch.float32).eval()
+with torch.no_grad():
+    logits = model(torch.arange(1, 25)[None]).logits
+leaked = sorted(m for m in sys.modules if m.partition(".")[0] == "kda_hybrid")
+print({MARKER!r} + json.dumps(dict(logits=logits.double().tolist(), leaked=leaked)))
+"""
+    got = json.loads(run_python(code, tmp_path).rpartition(MARKER)[2].strip())
+    assert got["leaked"] == []
+    model = AutoModelForCausalLM.from_pretrained(src, trust_remote_code=True, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = model(torch.arange(1, 25)[None]).logits.double()
+    torch.testing.assert_close(torch.tensor(got["logits"], dtype=torch.float64), want, rtol=1e-6, atol=1e-6)
+
+
 # --------------------------------------------------------------------------------------------------
 # Fixtures: a tiny Kimi Linear (MLA + MoE) and a tiny K3 model, the tokenizer, what the package computes
 # --------------------------------------------------------------------------------------------------

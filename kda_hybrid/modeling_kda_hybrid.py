@@ -7,7 +7,6 @@ names follow the original Kimi-Linear checkpoint so that conversion is renaming 
 
 from __future__ import annotations
 
-import inspect
 import math
 import warnings
 
@@ -383,11 +382,6 @@ class KDAHybridModel(KDAHybridPreTrainedModel):
         return AttentionLayerInputs(path=path, mask=mask, **inputs)
 
 
-# Whether this transformers' GenerationMixin._prefill leaves a cache of linear layers only uncut (<= 5.24): read
-# from its code, since the change came without a flag or a version note
-_PREFILL_SKIPS_LINEAR_CACHES = "not all(cache.is_linear)" in inspect.getsource(GenerationMixin._prefill)
-
-
 def _foreign_cache_message(cache) -> str:
     return (f"cache must be a KDAHybridCache, got {type(cache).__name__}: transformers' caches hold no KDA conv or "
             "recurrent states. Build one with KDAHybridCache(model.config), or leave cache unset (generate() and "
@@ -570,30 +564,17 @@ class KDAHybridForCausalLM(KDAHybridPreTrainedModel, GenerationMixin):
             "per sequence. Use generate() on a padded batch")
 
     def _prefill(self, input_ids, generation_config, model_kwargs, is_first_iteration=True):
-        """transformers up to 5.24 cuts a prompt that restarts from a cache down to its new tokens only when some
-        cache layer is attention (`not all(cache.is_linear)`): with KDA layers only (a draft model, a KDA-only model
-        continuing a conversation) the whole sequence would run again on top of the cache. There, cut it by
-        transformers' own rule: the input is the full sequence when it is as long as the attention mask (or the
-        all-ones mask generate dropped). transformers 5.25 cuts every cache itself, and a second cut here left no
-        token at all ("inputs_embeds must hold at least one sequence ... (2, 0, 64)"). inputs_embeds restarting
-        from a cache must be that full sequence (transformers' rule): fewer is an error."""
+        """inputs_embeds restarting from a cache must be the full sequence (transformers' rule, which keeps the last
+        length - past embeddings as the new tokens): fewer is an error here, naming the shapes, instead of an empty
+        input deep inside ("inputs_embeds must hold at least one sequence ... (2, 0, 64)")."""
         cache = model_kwargs.get("cache")
         past = cache.get_seq_length() if isinstance(cache, KDAHybridCache) else 0
         embeds = model_kwargs.get("inputs_embeds")
         if past and is_first_iteration and embeds is not None and embeds.shape[1] <= past:
-            # transformers keeps the last (length - past) embeddings as the new tokens: here none would be left
             raise ValueError(
                 f"generate() got inputs_embeds of shape {tuple(embeds.shape)} with a cache holding {past} tokens: "
                 f"when restarting from a cache, inputs_embeds hold the whole sequence, the {past} cached tokens "
                 f"followed by at least one new one ([B, {past} + new, hidden]), or pass a new cache")
-        if past and all(cache.is_linear) and _PREFILL_SKIPS_LINEAR_CACHES:
-            if embeds is not None and is_first_iteration:  # restarting from inputs_embeds: always the full sequence
-                model_kwargs = {**model_kwargs, "inputs_embeds": embeds[:, past:]}
-            else:
-                mask = model_kwargs.get("attention_mask")
-                full = mask.shape[1] if mask is not None else getattr(generation_config, "_mask_length", -1)
-                if full == input_ids.shape[1] > past:
-                    input_ids = input_ids[:, past:]
         return super()._prefill(input_ids, generation_config, model_kwargs, is_first_iteration)
 
     @can_return_tuple

@@ -935,7 +935,7 @@ def _attn_res_source_counts() -> None:
         globals()["attn_res_read"] = real_read
 
 
-def _self_check() -> None:  # noqa: C901 - a flat list of checks
+def self_check() -> None:  # noqa: C901 - a flat list of checks
     import time
 
     torch.set_num_threads(1)
@@ -1133,4 +1133,4 @@ def _self_check() -> None:  # noqa: C901 - a flat list of checks
 
 
 if __name__ == "__main__":
-    _self_check()
+    self_check()

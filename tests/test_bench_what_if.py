@@ -11,7 +11,7 @@ import torch
 from kda_hybrid import KDAHybridForCausalLM
 from kda_hybrid.conversion import convert
 
-from .test_from_attention import ids, save_source
+from ._attention_sources import ids, save_source
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from profile_smollm2_decode import shared_kv  # noqa: E402

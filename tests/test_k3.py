@@ -786,3 +786,13 @@ def test_k3_compiled_forward_and_training_step_match_eager():
     # in another order (the worst tensor measured 2.5e-5 of its scale); a wrong backward is off by far more
     for name in grads0:
         assert_close_rel(grads1[name], grads0[name], rel=1e-4, name=name)
+
+
+def test_the_reference_passes_its_own_self_checks():
+    """tests/k3_reference.py's checks of itself (causality, batch independence, MXFP4 codes and rounding, A_log
+    forms, AttnRes bookkeeping at K3's 93 layers, formula spot checks), which otherwise ran only as a script."""
+    threads = torch.get_num_threads()  # the script pins one thread; the session's count is conftest's
+    try:
+        ref.self_check()
+    finally:
+        torch.set_num_threads(threads)

@@ -52,6 +52,23 @@ def k3_model(seed=0, dtype=torch.float32, **over):
     return model.to(dtype)
 
 
+def k3_mxfp4_model(seed=0, **over):
+    """k3_model with its routed experts as MXFP4 bytes (random weights, scaled 0.3, quantised by the reference)."""
+    from kda_hybrid.configuration_kda_hybrid import k3_quantization_config
+    from kda_hybrid.layers_kda_hybrid import MXFP4Linear
+
+    from . import k3_reference as ref
+
+    model = k3_model(seed, quantization_config=k3_quantization_config(), **over)
+    gen = torch.Generator().manual_seed(13)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, MXFP4Linear):
+                m.weight_packed, m.weight_scale = ref.quantize_mxfp4(
+                    torch.randn(m.out_features, m.in_features, generator=gen) * 0.3)
+    return model
+
+
 def randomise_defaults(model):
     """Give the parameters that start at a constant (norm weights, router correction biases, AttnRes queries)
     random values, so that a test sees them: a dropped or mis-mapped one changes outputs."""

@@ -25,6 +25,7 @@ from .helpers import (
     assert_bit_exact,
     assert_close_rel,
     k3_model,
+    k3_mxfp4_model,
     k3_text_config,
     read_folder,
     tiny_kimi_config,
@@ -365,13 +366,7 @@ def test_k3_mxfp4_model_round_trips_through_save_and_auto_loading(tmp_path, dtyp
     (uint8, never cast or expanded), every K3 field survives, the logits are the same."""
     from transformers import AutoModelForCausalLM
 
-    model = k3_model(quantization_config=k3_quantization_config())
-    gen = torch.Generator().manual_seed(13)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, MXFP4Linear):
-                m.weight_packed, m.weight_scale = ref.quantize_mxfp4(
-                    torch.randn(m.out_features, m.in_features, generator=gen) * 0.3)
+    model = k3_mxfp4_model()
     model.save_pretrained(tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True, dtype=dtype).eval()
     for name in ("gate_lower_bound", "use_full_rank_gate", "mla_use_output_gate", "hidden_act",

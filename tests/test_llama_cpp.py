@@ -15,16 +15,13 @@ import numpy as np
 import pytest
 import torch
 
-from kda_hybrid.configuration_kda_hybrid import k3_quantization_config
 from kda_hybrid.conversion import ConversionError, convert
 from kda_hybrid.conversion.__main__ import main as cli_main
-from kda_hybrid.layers_kda_hybrid import MXFP4Linear
 from kda_hybrid.mxfp4_torch import dequantize_mxfp4
 
-from . import k3_reference as ref
 from ._native import save_checkpoint
 from ._tokenizer import tiny_tokenizer
-from .helpers import k3_model, k3_text_config, random_state_dict, tiny_kimi_config, tiny_model
+from .helpers import k3_model, k3_mxfp4_model, k3_text_config, random_state_dict, tiny_kimi_config, tiny_model
 
 gguf = pytest.importorskip("gguf", reason="--to gguf needs the gguf package (the [gguf] / [test] extra)")
 
@@ -46,18 +43,6 @@ ONE_EPS = dict(vocab_size=384, rms_norm_eps=1e-6)
 # the six random layers of the tiny K3 amplify chaotically (half the logit scale) and two layers do not (~1%)
 TWO_LAYERS = dict(num_hidden_layers=2, attn_res_block_size=None,
                   linear_attn_config=dict(k3_text_config()["linear_attn_config"], kda_layers=[1], full_attn_layers=[2]))
-
-
-def _k3_mxfp4(**over):
-    """A tiny K3 whose routed experts are MXFP4 bytes (random weights quantised)."""
-    model = k3_model(quantization_config=k3_quantization_config(), **over)
-    gen = torch.Generator().manual_seed(13)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, MXFP4Linear):
-                m.weight_packed, m.weight_scale = ref.quantize_mxfp4(
-                    torch.randn(m.out_features, m.in_features, generator=gen) * 0.3)
-    return model
 
 
 def _saved(model, folder: Path) -> Path:
@@ -167,7 +152,7 @@ def test_k3_models_become_kimi_k3_ggufs(tmp_path):
     gate or the MLA output gate by layer; MXFP4 experts as ggml MXFP4 blocks that decode to our weights exactly."""
     from gguf.quants import dequantize
 
-    model = _k3_mxfp4(**ONE_EPS)
+    model = k3_mxfp4_model(**ONE_EPS)
     src = _saved(model, tmp_path / "k3")
     kv, tensors = _fields(convert(src, tmp_path / "k3.gguf", target="gguf", progress=False))
     c, arch = model.config, "kimi-k3"
@@ -278,25 +263,24 @@ def _assert_logits_close(theirs: np.ndarray, ours: np.ndarray, rel: float, what:
 
 
 @pytest.mark.slow
-def test_llama_cpp_runs_the_shipped_checkpoint_with_our_logits(shipped_gguf):
+@pytest.mark.parametrize("folder", [SHIPPED, K3_SHIPPED], ids=["kimi-linear", "k3"])
+def test_llama_cpp_runs_the_shipped_checkpoints_with_our_logits(folder, tmp_path):
     """f32 weights, f32 KV cache: llama.cpp tokenises as we do, its prompt logits and its cached decode (one token
     at a time after the prompt) equal ours within 1e-4 of their scale, and greedy generations are the same."""
-    llm = _llama(shipped_gguf)
-    model, tok = _ours(SHIPPED)
+    llm = _llama(convert(folder, tmp_path / "model.gguf", target="gguf", dtype="float32", progress=False))
+    model, tok = _ours(folder)
     ids = tok(TEXT).input_ids
     assert llm.tokenize(TEXT.encode(), add_bos=True) == ids
-    prompt, rest = ids[:20], ids[20:]
-    llm.eval(prompt)
-    for t in rest:  # decode through llama.cpp's recurrent state and latent KV cache
+    llm.eval(ids[:20])
+    for t in ids[20:]:  # decode through llama.cpp's recurrent state and latent KV cache
         llm.eval([t])
-    theirs = np.array(llm.scores[: len(ids)])
     with torch.no_grad():
         ours = model(torch.tensor([ids])).logits[0].numpy()
-    _assert_logits_close(theirs, ours, 1e-4, "prompt + cached decode")
+    _assert_logits_close(np.array(llm.scores[: len(ids)]), ours, 1e-4, "prompt + cached decode")
     llm.reset()
     generated = [t for _, t in zip(range(32), llm.generate(ids, top_k=1, temp=0.0, repeat_penalty=1.0))]
     with torch.no_grad():
-        # plain greedy on both sides (the checkpoint's generation_config adds a repetition penalty)
+        # plain greedy on both sides (the checkpoints' generation_config adds a repetition penalty)
         want = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, repetition_penalty=1.0,
                               min_new_tokens=32)[0, len(ids):].tolist()
     assert generated == want
@@ -321,27 +305,6 @@ def test_llama_cpp_runs_a_moe_model_with_our_logits(moe_src, tmp_path):
 
 
 @pytest.mark.slow
-def test_llama_cpp_runs_the_shipped_k3_checkpoint_with_our_logits(tmp_path):
-    out = convert(K3_SHIPPED, tmp_path / "k3.gguf", target="gguf", dtype="float32", progress=False)
-    llm = _llama(out)
-    model, tok = _ours(K3_SHIPPED)
-    ids = tok(TEXT).input_ids
-    assert llm.tokenize(TEXT.encode(), add_bos=True) == ids
-    llm.eval(ids[:20])
-    for t in ids[20:]:
-        llm.eval([t])
-    with torch.no_grad():
-        ours = model(torch.tensor([ids])).logits[0].numpy()
-    _assert_logits_close(np.array(llm.scores[: len(ids)]), ours, 1e-4, "K3 prompt + cached decode")
-    llm.reset()
-    generated = [t for _, t in zip(range(32), llm.generate(ids, top_k=1, temp=0.0, repeat_penalty=1.0))]
-    with torch.no_grad():
-        want = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, repetition_penalty=1.0,
-                              min_new_tokens=32)[0, len(ids):].tolist()
-    assert generated == want
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32-experts", "bf16-experts"])
 def test_llama_cpp_runs_a_tiny_k3_moe_with_our_logits(tmp_path, dtype):
     """Latent MoE with its norm, two shared experts, AttnRes over 6 layers, SiTU, both gates; weights saved in
@@ -360,7 +323,7 @@ def test_llama_cpp_runs_a_tiny_k3_moe_with_our_logits(tmp_path, dtype):
 def test_llama_cpp_runs_mxfp4_experts_to_our_greedy_tokens(tmp_path):
     """MXFP4 experts: llama.cpp's weights decode to ours exactly (test_k3_models_become_kimi_k3_ggufs), but its CPU
     matmuls round the activations to 8 bits, so logits are compared loosely and greedy tokens exactly."""
-    model = _k3_mxfp4(**ONE_EPS, **TWO_LAYERS)
+    model = k3_mxfp4_model(**ONE_EPS, **TWO_LAYERS)
     src = _saved(model, tmp_path / "k3")
     llm = _llama(convert(src, tmp_path / "k3.gguf", target="gguf", dtype="float32", progress=False))
     ids = tiny_tokenizer()(TEXT).input_ids

@@ -1,0 +1,143 @@
+"""examples/teacher_corpus.py: the distillation corpus the teacher writes itself. A tiny Llama with the test tokenizer
+(chat template included) as the teacher; resume after a kill equals an uninterrupted run; the manifest records what
+made the corpus and refuses another teacher or other settings; held-out prompts stay out of the training files."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from ._tokenizer import VOCAB_SIZE, tiny_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("teacher_corpus_example", REPO / "examples" / "teacher_corpus.py")
+tc = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = tc  # its dataclass looks its module up there
+spec.loader.exec_module(tc)
+
+PROMPTS = """# test prompts
+## chat: everyday
+What is a good breakfast?
+How do I boil an egg?
+Name three colours.
+## chat: code
+What does len() return?
+Write a function that adds two numbers.
+## seed: story
+The old lighthouse keeper had not seen a ship in
+"""
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("teacher") / "llama"
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def _run(teacher, out, prompts, *extra):
+    return tc.main(["--teacher", str(teacher), "--out", str(out), "--prompts", str(prompts), "--samples", "2",
+                    "--max-new-tokens", "12", "--batch-size", "3", "--threads", "1", "--no-progress",
+                    "--held-out", "0.3", *extra])
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_corpus_resumes_after_a_kill_to_what_one_run_writes(teacher, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(PROMPTS)
+    _run(teacher, tmp_path / "whole", prompts)
+    whole = _files(tmp_path / "whole")
+    manifest = json.loads(whole["manifest.json"])
+    assert manifest["complete"] is True and manifest["prompts"] == 6
+    assert manifest["teacher_sha256"] == tc.teacher_sha256(teacher)
+    assert manifest["sampling"]["temperature"] == 0.8 and manifest["sampling"]["samples"] == 2
+    log = [json.loads(line) for line in whole["samples.jsonl"].decode().splitlines()]
+    assert len(log) == 5 * 2 + 1 * 2  # two replies per chat prompt, two continuations of the seed
+    assert sum(r["tokens"] for r in log) == sum(c["tokens"] for c in manifest["files"].values()) > 0
+
+    # the same corpus in steps: one batch, then a kill mid-batch (a whole line and a cut one lost), then the rest
+    part = tmp_path / "parts"
+    _run(teacher, part, prompts, "--max-batches", "1")
+    assert json.loads((part / "manifest.json").read_text())["complete"] is False
+    _run(teacher, part, prompts, "--max-batches", "2")
+    lines = (part / "samples.jsonl").read_bytes().split(b"\n")
+    (part / "samples.jsonl").write_bytes(b"\n".join(lines[:-2]) + b"\n" + lines[-2][:10])
+    _run(teacher, part, prompts)
+    assert _files(part) == whole
+
+
+def test_held_out_prompts_stay_out_of_the_training_files(teacher, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(PROMPTS)
+    _run(teacher, tmp_path / "c", prompts)
+    manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
+    held = {q.text for q in tc.read_prompts(prompts) if q.split(0.3) == "heldout"}
+    assert 0 < len(held) < 6 and manifest["prompts_by_split"]["heldout"] == len(held)
+    for name in manifest["files"]:
+        rows = [json.loads(line) for line in (tmp_path / "c" / name).read_text().splitlines()]
+        texts = {r.get("user", r.get("seed")) for r in rows}
+        assert (texts <= held) if "heldout" in name else not (texts & held), name
+        if name.startswith("chats"):
+            assert all({"user", "assistant", "complete"} <= r.keys() for r in rows)  # prepare_data.py --chats
+
+
+def test_another_teacher_or_other_settings_are_refused_before_anything_is_written(teacher, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(PROMPTS)
+    out = tmp_path / "c"
+    _run(teacher, out, prompts, "--max-batches", "1")
+    before = _files(out)
+    other = tmp_path / "other"
+    shutil.copytree(teacher, other)
+    model = LlamaForCausalLM.from_pretrained(other)
+    with torch.no_grad():
+        model.model.norm.weight.add_(0.01)
+    model.save_pretrained(other)
+    with pytest.raises(SystemExit, match="another teacher sha256"):
+        _run(other, out, prompts)
+    with pytest.raises(SystemExit, match="another sampling"):
+        _run(teacher, out, prompts, "--temperature", "0.7")
+    prompts.write_text(PROMPTS + "What is rain?\n")
+    with pytest.raises(SystemExit, match="another prompts sha256"):
+        _run(teacher, out, prompts)
+    assert _files(out) == before
+
+
+def test_prompt_files_are_checked():
+    bad = Path(__file__).parent / "_no_such_prompts.txt"
+    try:
+        bad.write_text("a prompt before a section\n")
+        with pytest.raises(SystemExit, match="before any"):
+            tc.read_prompts(bad)
+        bad.write_text("## chat: x\nsame\nsame\n")
+        with pytest.raises(SystemExit, match="duplicate prompt"):
+            tc.read_prompts(bad)
+    finally:
+        bad.unlink(missing_ok=True)
+
+
+def test_the_committed_prompt_set_is_broad():
+    """At least 500 chat prompts over at least 20 categories, plus seeds; none repeated (read_prompts refuses)."""
+    prompts = tc.read_prompts(tc.PROMPTS)
+    chats = [q for q in prompts if q.kind == "chat"]
+    categories = {q.category for q in chats}
+    assert len(chats) >= 500 and len(categories) >= 20, (len(chats), len(categories))
+    assert min(sum(q.category == c for q in chats) for c in categories) >= 20
+    assert sum(q.kind == "seed" for q in prompts) >= 40
+    held = sum(q.split(0.1) == "heldout" for q in chats)
+    assert 0.05 * len(chats) < held < 0.15 * len(chats)

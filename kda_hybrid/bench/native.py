@@ -47,8 +47,9 @@ def native_twin(ours):
 
     with tempfile.TemporaryDirectory() as d:
         Path(d, "config.json").write_text(json.dumps(ours.config.to_kimi_linear_dict()))
-        save_file({k: v.contiguous() for k, v in ours.state_dict().items()}, f"{d}/model.safetensors",
-                  metadata={"format": "pt"})
+        tied = ours.config.tie_word_embeddings  # the head is the embedding: saved once, as the native model ties it
+        save_file({k: v.contiguous() for k, v in ours.state_dict().items() if not (tied and k == "lm_head.weight")},
+                  f"{d}/model.safetensors", metadata={"format": "pt"})
         native = KimiLinearForCausalLM.from_pretrained(d, dtype=torch.float32)
     return native.eval()
 

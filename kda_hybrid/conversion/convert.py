@@ -336,19 +336,30 @@ def _stage_and_publish(dst: Path, dst_real: Path, fill, carried: list[Path], cod
                        manifest: dict, *, overwrite: bool) -> None:
     """Check the free space, write the output into a staging folder with `fill(folder)` plus the carried files,
     and publish it (publish.Staging); on any failure the staging folder goes and `dst` is as it was."""
+
+    def write(folder: Path) -> None:
+        fill(folder)
+        for path in carried:
+            if not (folder / path.name).exists():
+                shutil.copyfile(path, folder / path.name)
+
     needed = tensor_bytes + sum(p.stat().st_size for p in [*carried, *code])
+    _staged(dst, dst_real, manifest, needed, write, lambda staging: staging.publish(overwrite=overwrite))
+
+
+def _staged(dst: Path, dst_real: Path, manifest: dict, needed: int, write, publish) -> None:
+    """The one staging protocol of every output: free space checked, `write(folder)` into a locked staging folder
+    beside DST (its path logged first: what a SIGKILLed run leaves), `publish(staging)`; on any failure the staging
+    folder goes and DST is as it was, and a failure to remove it names it."""
     check_free_space(dst_real, needed)
     dst_real.parent.mkdir(parents=True, exist_ok=True)
     staging = Staging(dst_real, manifest)
-    logger.info("writing into %s (renamed to %s when complete; a killed run leaves it behind, and "
+    logger.info("writing into %s (becomes %s when complete; a killed run leaves it behind, and "
                 "`python -m kda_hybrid.conversion --clean %s` removes it)", staging.path, dst_real.name,
                 dst_real.parent)
     try:
-        fill(staging.path)
-        for path in carried:
-            if not (staging.path / path.name).exists():
-                shutil.copyfile(path, staging.path / path.name)
-        staging.publish(overwrite=overwrite)
+        write(staging.path)
+        publish(staging)
     except BaseException as err:
         try:
             staging.discard()
@@ -381,7 +392,7 @@ def _llama_cpp_config(config, biased: bool):
 
 def _convert_to_gguf(src: Path, dst: Path, dst_real: Path, config, plan: Plan, reader: Source, *, cast,
                      overwrite: bool, progress: bool) -> Path:
-    """A Kimi Linear model (any source layout) -> one llama.cpp GGUF file `dst` (to_gguf.py), tokenizer included:
+    """A Kimi Linear or K3 model (any source layout) -> one llama.cpp GGUF file `dst` (to_gguf.py), tokenizer inside:
     checked against what llama.cpp's graph runs and the tokenizer mapped before anything is written, streamed
     into a staging folder and moved into place when complete."""
     from .to_gguf import GGUFSink, check_expressible, metadata, tokenizer_metadata
@@ -389,22 +400,15 @@ def _convert_to_gguf(src: Path, dst: Path, dst_real: Path, config, plan: Plan, r
     arch = check_expressible(config)
     kv = metadata(config, arch) + tokenizer_metadata(src, config.vocab_size)
     dtype = cast or _main_dtype(plan)
-    needed = 2 * _output_bytes(plan)  # the streamed data, then the file
-    check_free_space(dst_real, needed)
-    dst_real.parent.mkdir(parents=True, exist_ok=True)
-    staging = Staging(dst_real, {"source": src.name, "target": GGUF, "dtype": str(dtype).removeprefix("torch.")})
-    logger.info("writing into %s (moved to %s when complete; a killed run leaves it behind, and "
-                "`python -m kda_hybrid.conversion --clean %s` removes it)", staging.path, dst_real.name,
-                dst_real.parent)
-    try:
-        sink = GGUFSink(staging.path / dst_real.name, config, arch, dtype, kv, name=src.name)
+
+    def write(folder: Path) -> None:
+        sink = GGUFSink(folder / dst_real.name, config, arch, dtype, kv, name=src.name)
         execute(plan, reader, sink, progress=progress)
         sink.close()
-        staging.publish_file(dst_real.name, overwrite=overwrite)
-    except BaseException as err:
-        staging.discard()
-        _raise_if_out_of_space(err, dst, dst_real, needed)
-        raise
+
+    manifest = {"source": src.name, "target": GGUF, "dtype": str(dtype).removeprefix("torch.")}
+    _staged(dst, dst_real, manifest, 2 * _output_bytes(plan),  # the streamed data, then the file
+            write, lambda staging: staging.publish_file(dst_real.name, overwrite=overwrite))
     return dst
 
 

@@ -49,7 +49,7 @@ def _gguf():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# What llama.cpp's kimi-linear graph can run
+# What llama.cpp's kimi-linear and kimi-k3 graphs can run
 # ---------------------------------------------------------------------------------------------------------
 def check_expressible(config) -> str:
     """The llama.cpp architecture that runs `config` (a KDAHybridConfig): "kimi-k3" when a K3 switch is on, else

@@ -7,7 +7,7 @@ matrix-vector read rate).
 
     python benchmarks/bench_cpu_engines.py                                   # shipped 6.7M, 256 and 4K tokens
     python benchmarks/bench_cpu_engines.py --model smollm2 --contexts 256 4096 16384 --out results.md
-    python benchmarks/bench_cpu_engines.py --model shipped k3 --contexts 256 --compiled
+    python benchmarks/bench_cpu_engines.py --model shipped k3 --contexts 256 --compiled --cpu-layout
 
 Models: `shipped` and `k3` are checkpoints/kda-hybrid-stdlib and checkpoints/kda-k3-stdlib; `smollm2` is a 179M
 Kimi Linear model of SmolLM2-135M's shape (hidden 576, 30 layers kkA, 9 MLA and 9 KDA heads of 64, MLP 1536,
@@ -139,6 +139,8 @@ def main():
     p.add_argument("--contexts", nargs="+", type=int, default=[256, 4096])
     p.add_argument("--decode", type=int, default=32, help="decode steps per context (default 32)")
     p.add_argument("--compiled", action="store_true", help="also time a torch.compile'd forward (compiles first)")
+    p.add_argument("--cpu-layout", action="store_true",
+                   help="also time the model after prepare_cpu_decode() (wide weights column-major)")
     p.add_argument("--native-max", type=int, default=256,
                    help="longest context transformers' native kimi_linear runs at (default 256)")
     args = p.parse_args()
@@ -164,6 +166,11 @@ def main():
             weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
             floor_ms = 1e3 * weight_bytes / rate
             engines = {"ours eager": model}
+            if args.cpu_layout:  # a second copy, its wide weights column-major (KDAHybridPreTrainedModel docs)
+                laid = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True,
+                                                            dtype=torch.float32).eval()
+                laid.prepare_cpu_decode()
+                engines["ours eager, prepare_cpu_decode()"] = laid
             if args.compiled:
                 engines["ours compiled"] = torch.compile(model)
             llm = None

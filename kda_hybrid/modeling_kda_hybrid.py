@@ -147,7 +147,41 @@ class KDAHybridPreTrainedModel(PreTrainedModel):
         # that the config.json transformers writes carries the whole auto_map (a card the user wrote is kept)
         if is_main_process:
             write_checkpoint_metadata(self.config, save_directory, save_config=False, code=self.is_remote_code())
-        super().save_pretrained(save_directory, is_main_process=is_main_process, **kwargs)
+        # weights laid out by prepare_cpu_decode(): transformers' shared-tensor check views each tensor flat, which
+        # a transposed tied weight refuses; saved in the usual layout, then laid out again
+        relaid = [w for w in self.parameters() if w.dim() == 2 and w.shape[0] > 1 and w.stride() == (1, w.shape[0])]
+        with torch.no_grad():
+            for w in relaid:
+                w.data = w.data.contiguous()
+            try:
+                super().save_pretrained(save_directory, is_main_process=is_main_process, **kwargs)
+            finally:
+                for w in relaid:
+                    w.data = w.data.t().contiguous().t()
+
+    def prepare_cpu_decode(self) -> int:
+        """Lay out, in place, every plain `nn.Linear` weight on the CPU whose output is at least as wide as its input
+        column-major (the same [out, in] tensor, transposed strides): a one-token matrix-vector product then streams
+        the weight as `x @ W.T` over contiguous rows of W.T, which this machine reads about 2x faster than the short
+        rows of W (measured 11.6 vs 23.8 GB/s for the 49152 x 576 head, 11.6 vs 18.2 for 1536 x 576); matrices that
+        narrow (e.g. an MLP's down projection) read faster as they are and stay. Values are unchanged, prefill
+        (matrix-matrix) is not slower, and nothing else needs to know: modules, parameters, state_dict keys and
+        tied weights stay the same objects; `save_pretrained` writes the same files. Loading gives the usual
+        layout again, so call this after `from_pretrained` (and after a `.to(...)`). Quantised or wrapped weights
+        (tensor subclasses, meta, other devices) are left as they are. Returns how many weights were laid out."""
+        done = 0
+        with torch.no_grad():
+            for module in self.modules():
+                if not isinstance(module, nn.Linear) or module.out_features < module.in_features:
+                    continue
+                w = module.weight
+                if type(w) is not nn.Parameter or type(w.data) is not torch.Tensor or w.device.type != "cpu" \
+                        or w.layout != torch.strided or not w.is_floating_point() or w.dim() != 2:
+                    continue
+                if w.stride() != (1, w.shape[0]):  # not column-major yet (a tied weight is laid out once)
+                    w.data = w.data.t().contiguous().t()
+                    done += 1
+        return done
 
     def resize_token_embeddings(self, new_num_tokens=None, pad_to_multiple_of=None, mean_resizing=True):
         """transformers' resize, refused before any change when the new vocabulary would leave out one of the

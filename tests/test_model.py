@@ -536,3 +536,32 @@ def test_mla_paths_equal_the_masked_reference(T, keys_first, monkeypatch):
             torch.testing.assert_close(run(path, None, "sdpa"), reference, rtol=1e-5, atol=1e-6, msg=path)
     finally:
         attn.config._attn_implementation = "sdpa"
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_prepare_cpu_decode_changes_layout_not_values(tmp_path, tied):
+    """prepare_cpu_decode() lays wide weights out column-major for one-token matrix-vector reads: the same
+    parameters (tied ones stay one tensor), the same values and state_dict, the same generation; narrow ones and a
+    second call are left alone; save_pretrained writes what a plain model writes."""
+    model = tiny_model("mla", tie_word_embeddings=tied)
+    ids = prompt(B=2, T=40, seed=7)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    params = dict(model.named_parameters())
+    greedy = dict(max_new_tokens=8, do_sample=False)
+    want = generate_with_logits(model, ids, **greedy)
+    n = model.prepare_cpu_decode()
+    wide = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.out_features >= m.in_features]
+    narrow = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.out_features < m.in_features]
+    assert n == len({id(m.weight) for m in wide}) > 0 and model.prepare_cpu_decode() == 0
+    assert all(m.weight.stride() == (1, m.out_features) for m in wide)
+    assert all(m.weight.is_contiguous() for m in narrow)
+    assert dict(model.named_parameters()) == params  # the same Parameter objects
+    if tied:
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
+    assert_same_generation(generate_with_logits(model, ids, **greedy), want)
+    model.save_pretrained(tmp_path)
+    assert all(m.weight.stride() == (1, m.out_features) for m in wide)  # laid out again after the save
+    loaded = KDAHybridForCausalLM.from_pretrained(tmp_path)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in before.items())

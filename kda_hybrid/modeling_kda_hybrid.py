@@ -130,6 +130,16 @@ def attn_res_read(norm: KDAHybridRMSNorm, proj: nn.Linear, blocks: torch.Tensor,
     return (weights * sources.float()).sum(0).to(sources.dtype)
 
 
+def _column_major(w: torch.Tensor) -> bool:
+    """Whether a [out, in] weight (out > 1) is laid out column-major, as prepare_cpu_decode() leaves it."""
+    return w.dim() == 2 and w.shape[0] > 1 and w.stride() == (1, w.shape[0])
+
+
+def _lay_column_major(w: nn.Parameter) -> None:
+    """The same values, column-major (the storage of W.T, contiguous), in place of the parameter's data."""
+    w.data = w.data.t().contiguous().t()
+
+
 class KDAHybridPreTrainedModel(PreTrainedModel):
     config_class = KDAHybridConfig
     config: KDAHybridConfig
@@ -149,7 +159,7 @@ class KDAHybridPreTrainedModel(PreTrainedModel):
             write_checkpoint_metadata(self.config, save_directory, save_config=False, code=self.is_remote_code())
         # weights laid out by prepare_cpu_decode(): transformers' shared-tensor check views each tensor flat, which
         # a transposed tied weight refuses; saved in the usual layout, then laid out again
-        relaid = [w for w in self.parameters() if w.dim() == 2 and w.shape[0] > 1 and w.stride() == (1, w.shape[0])]
+        relaid = [w for w in self.parameters() if _column_major(w)]
         with torch.no_grad():
             for w in relaid:
                 w.data = w.data.contiguous()
@@ -157,7 +167,7 @@ class KDAHybridPreTrainedModel(PreTrainedModel):
                 super().save_pretrained(save_directory, is_main_process=is_main_process, **kwargs)
             finally:
                 for w in relaid:
-                    w.data = w.data.t().contiguous().t()
+                    _lay_column_major(w)
 
     def prepare_cpu_decode(self) -> int:
         """Lay out, in place, every plain `nn.Linear` weight on the CPU whose output is at least as wide as its input
@@ -179,8 +189,8 @@ class KDAHybridPreTrainedModel(PreTrainedModel):
                 if type(w) is not nn.Parameter or type(w.data) is not torch.Tensor or w.device.type != "cpu" \
                         or w.layout != torch.strided or not w.is_floating_point() or w.dim() != 2:
                     continue
-                if w.stride() != (1, w.shape[0]):  # not column-major yet (a tied weight is laid out once)
-                    w.data = w.data.t().contiguous().t()
+                if not _column_major(w):  # a tied weight is laid out once
+                    _lay_column_major(w)
                     done += 1
         return done
 

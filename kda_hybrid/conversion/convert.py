@@ -278,7 +278,7 @@ def convert(src, dst, *, source: str | None = None, target: str = KDA_HYBRID, dt
     if router_weights_from_biased_scores is not None:
         biased = bool(router_weights_from_biased_scores)
     if target == GGUF:  # what llama.cpp cannot run, named before the layout is even planned
-        parsed = _llama_cpp_config(parsed, biased)
+        parsed, arch = _llama_cpp_config(parsed, biased)
     inventory = kimi_inventory(parsed)
     headers, skipped = _text_headers(source_format, reader.headers)
     plan = make_plan(headers, _groups(source_format, parsed, inventory, headers), inventory, cast)
@@ -288,7 +288,7 @@ def convert(src, dst, *, source: str | None = None, target: str = KDA_HYBRID, dt
                 "biased" if biased else "unbiased")
 
     if target == GGUF:
-        return _convert_to_gguf(src, dst, dst_real, parsed, plan, reader, cast=cast, overwrite=overwrite,
+        return _convert_to_gguf(src, dst, dst_real, parsed, arch, plan, reader, cast=cast, overwrite=overwrite,
                                 progress=progress)
     if target == KIMI_LINEAR and parsed.uses_k3_features:
         raise ConversionError(f"target: a Kimi K3 model has no Kimi Linear layout; write it as {KIMI_K3!r} or "
@@ -381,23 +381,22 @@ def _raise_if_out_of_space(err: BaseException, dst: Path, dst_real: Path, needed
 
 
 def _llama_cpp_config(config, biased: bool):
-    """`config` with the routing semantics this conversion writes, checked against what llama.cpp's graph runs."""
+    """(`config` with the routing semantics this conversion writes, the llama.cpp architecture that runs it),
+    checked against what llama.cpp's graphs run."""
     from .to_gguf import check_expressible
 
     config = copy.copy(config)
     config.router_weights_from_biased_scores = biased
-    check_expressible(config)  # the architecture is asked again when writing
-    return config
+    return config, check_expressible(config)
 
 
-def _convert_to_gguf(src: Path, dst: Path, dst_real: Path, config, plan: Plan, reader: Source, *, cast,
+def _convert_to_gguf(src: Path, dst: Path, dst_real: Path, config, arch: str, plan: Plan, reader: Source, *, cast,
                      overwrite: bool, progress: bool) -> Path:
     """A Kimi Linear or K3 model (any source layout) -> one llama.cpp GGUF file `dst` (to_gguf.py), tokenizer inside:
     checked against what llama.cpp's graph runs and the tokenizer mapped before anything is written, streamed
     into a staging folder and moved into place when complete."""
-    from .to_gguf import GGUFSink, check_expressible, metadata, tokenizer_metadata
+    from .to_gguf import GGUFSink, metadata, tokenizer_metadata
 
-    arch = check_expressible(config)
     kv = metadata(config, arch) + tokenizer_metadata(src, config.vocab_size)
     dtype = cast or _main_dtype(plan)
 

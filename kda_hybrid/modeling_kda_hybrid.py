@@ -173,13 +173,13 @@ class KDAHybridPreTrainedModel(PreTrainedModel):
         """Lay out, in place, every plain `nn.Linear` weight on the CPU whose output is at least as wide as its input
         column-major (the same [out, in] tensor, transposed strides): a one-token matrix-vector product then streams
         the weight as `x @ W.T` over contiguous rows of W.T, which CPU BLAS reads about 2x faster than the short
-        rows of W (measured on the x86 development machine: 11.6 vs 23.8 GB/s for a 49152 x 576 head, 11.6 vs 18.2
-        for 1536 x 576); narrowing matrices (e.g. an MLP's down projection) read faster as they are and stay.
-        Values are unchanged, prefill (matrix-matrix) is not slower, and nothing else needs to know: modules,
-        parameters, state_dict keys and tied weights stay the same objects; `save_pretrained` writes the same
-        files. Loading gives the usual
-        layout again, so call this after `from_pretrained` (and after a `.to(...)`). Quantised or wrapped weights
-        (tensor subclasses, meta, other devices) are left as they are. Returns how many weights were laid out."""
+        rows of W (`python benchmarks/bench_matvec_layout.py` on the x86 development machine: 11.9 vs 22.8 GB/s
+        for a 49152 x 576 head, 11.5 vs 18.6 for 1536 x 576); narrowing matrices (e.g. an MLP's down projection)
+        read faster as they are and stay. Values are unchanged, prefill (matrix-matrix) is not slower, and nothing
+        else needs to know: modules, parameters, state_dict keys and tied weights stay the same objects;
+        `save_pretrained` writes the same files. Loading gives the usual layout again, so call this after
+        `from_pretrained` (and after a `.to(...)`). Quantised or wrapped weights (tensor subclasses, meta, other
+        devices) are left as they are. Returns how many weights were laid out."""
         done = 0
         with torch.no_grad():
             for module in self.modules():

@@ -1,0 +1,52 @@
+"""The read rate of a one-token matrix-vector product over a weight far from the caches, in the usual layout (W
+[out, in], rows of `in` floats: `F.linear(x, W)`) and column-major (the storage of W.T contiguous, what
+`prepare_cpu_decode()` leaves), for the matrix shapes of the models here. 1 thread (--threads); each figure is the
+best of --repeats passes over enough copies of the matrix to exceed the caches.
+
+    python benchmarks/bench_matvec_layout.py
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from kda_hybrid.bench.report import Report, benchmark_parser
+
+SHAPES = [(49152, 576), (12288, 2304), (16384, 4096), (1536, 576), (576, 576), (576, 1536), (2048, 256)]
+CACHE_BYTES = 512 * 2**20  # more than any last-level cache here
+
+
+def rate(weights: list[torch.Tensor], x: torch.Tensor, repeats: int) -> float:
+    """Bytes/s of F.linear(x, w) over every w, best of `repeats` passes."""
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first pass warms the allocator and BLAS
+        start = time.perf_counter()
+        for w in weights:
+            F.linear(x, w)
+        best = min(best, time.perf_counter() - start)
+    return sum(w.numel() * 4 for w in weights) / best
+
+
+def main():
+    args = benchmark_parser(__doc__, repeats=5).parse_args()
+    report = Report(args)
+    report.print("| out x in | MB | usual layout GB/s | column-major GB/s | column-major / usual |")
+    report.print("|---|---|---|---|---|")
+    rows = []
+    for out, inp in SHAPES:
+        copies = max(1, CACHE_BYTES // (out * inp * 4))
+        usual = [torch.randn(out, inp) for _ in range(copies)]
+        column = [w.t().contiguous().t() for w in usual]
+        x = torch.randn(1, 1, inp)
+        a, b = rate(usual, x, args.repeats), rate(column, x, args.repeats)
+        report.print(f"| {out} x {inp} | {out * inp * 4 / 1e6:.2f} | {a / 1e9:.1f} | {b / 1e9:.1f} | {b / a:.2f} |")
+        rows.append(dict(out=out, inp=inp, usual=a, column_major=b))
+        del usual, column
+    report.write({"rows": rows})
+
+
+if __name__ == "__main__":
+    main()

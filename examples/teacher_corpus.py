@@ -277,9 +277,10 @@ def main(argv=None) -> int:
     write_json(args.out / "manifest.json", {**manifest, "complete": complete, "prompts": len(prompts),
                                              "prompts_by_split": split_prompts, "files": counts,
                                              "batches": len(batches)})
+    rate = new_tokens / (time.perf_counter() - started) if todo else 0.0
     print(f"{args.out}: {sum(c['records'] for c in counts.values())} samples, "
-          f"{sum(c['tokens'] for c in counts.values())} teacher tokens"
-          f"{'' if complete else ' (incomplete: run again to continue)'}")
+          f"{sum(c['tokens'] for c in counts.values())} teacher tokens ({new_tokens} new this run, {rate:.0f} "
+          f"tokens/s){'' if complete else ' (incomplete: run again to continue)'}")
     return 0
 
 

@@ -17,7 +17,7 @@ nothing is installed or written in the repository.
 from __future__ import annotations
 
 import argparse
-import importlib
+import importlib.util
 import statistics
 import subprocess
 import sys
@@ -41,9 +41,14 @@ def old_package(rev: str, where: Path):
     tar = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "kda_hybrid"], check=True, capture_output=True)
     with tarfile.open(fileobj=BytesIO(tar.stdout)) as t:
         t.extractall(where, filter="data")
-    (where / "kda_hybrid").rename(where / "kda_hybrid_at_rev")
-    sys.path.insert(0, str(where))
-    return importlib.import_module("kda_hybrid_at_rev")
+    package = where / "kda_hybrid_at_rev"
+    (where / "kda_hybrid").rename(package)
+    spec = importlib.util.spec_from_file_location("kda_hybrid_at_rev", package / "__init__.py",
+                                                  submodule_search_locations=[str(package)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its relative imports resolve through it
+    spec.loader.exec_module(module)
+    return module
 
 
 @torch.no_grad()

@@ -187,7 +187,7 @@ def calibrate_kda_outputs(teacher, student, batches) -> dict[int, torch.Tensor]:
 
     A converted KDA layer starts out of scale with the attention it replaces: on SmolLM2-135M kkA the factors span
     0.02-1.27 (median 0.29: most heads several times louder than the teacher's), and the converted student does
-    worse than with no KDA output at all (docs/smollm2.md)."""
+    worse than with no KDA output at all (docs/records/smollm2/README.md)."""
     layers = kda_layer_indices(student)
     s_proj = {i: student.model.layers[i].self_attn.o_proj for i in layers}
     t_proj = {i: teacher.model.layers[i].self_attn.o_proj for i in layers}

@@ -1,7 +1,7 @@
 """Build a training corpus for examples/train.py: the Python standard library's own sources (every machine with
 Python has them), a byte-level BPE tokenizer trained on it, and the token streams.
 With --pydoc, the documentation text Python ships too (pydoc_data.topics), held out by the same rule. With
---chats, chat documents (examples/chat_distill_data.py: a training-split passage as the user turn, the teacher's
+--chats, chat documents (examples/smollm2/chat_distill_data.py: a training-split passage as the user turn, the teacher's
 reply as the assistant turn) join the training split through the tokenizer's chat template.
 
     python examples/prepare_data.py --out data/stdlib                       # stdlib corpus + a new tokenizer
@@ -23,41 +23,23 @@ import hashlib
 import json
 import platform
 import sys
-import sysconfig
 from pathlib import Path
 
 import numpy as np
 
+from kda_hybrid.train.corpus import (
+    PYDOC_TOPICS,
+    VAL_PERCENT,
+    corpus_files,
+    is_validation,
+    pydoc_documents,
+    read_text,
+    stdlib_root,
+)
 from kda_hybrid.train.data import bpe_tokenizer
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>"]  # ids 0, 1, 2: the ids of kda_hybrid.bench.shapes' configs
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
-# Test suites are two thirds of the stdlib by size and mostly boilerplate (idlelib and lib2to3 carry their own);
-# encodings/ is 1.4 MB of generated charmap tables.
-SKIP_PARTS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "encodings"}
-VAL_PERCENT = 2  # files whose path hash falls in the first 2% are held out (about 12 files, 200 KB for 3.11)
-
-
-def stdlib_root() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def corpus_files(root: Path, pattern: str = "**/*.py") -> list[Path]:
-    files = (f for f in root.glob(pattern) if f.is_file() and not SKIP_PARTS & set(f.relative_to(root).parts))
-    return sorted(files, key=lambda f: f.relative_to(root).as_posix())
-
-
-def is_validation(rel_path: str) -> bool:
-    return int(hashlib.sha1(rel_path.encode()).hexdigest(), 16) % 100 < VAL_PERCENT
-
-
-def read_text(path: Path) -> str | None:
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:  # a handful of stdlib files are latin-1 test fixtures; not worth learning
-        return None
-
-
 def train_tokenizer(texts: list[str], vocab_size: int):
     """bpe_tokenizer with <|pad|> <|bos|> <|eos|> at ids 0-2; encode() prepends <|bos|>, as the training documents
     start with it."""
@@ -80,17 +62,6 @@ def encode_documents(tokenizer, texts: list[str], document_token: int | None = N
     ids = tokenizer(texts, add_special_tokens=True).input_ids
     eos = tokenizer.eos_token_id
     return np.fromiter((t for doc in ids for t in (*doc, eos)), dtype=np.uint16)
-
-
-PYDOC_TOPICS = "pydoc_data/topics.py"
-
-
-def pydoc_documents() -> list[tuple[str, str]]:
-    """(name, text) of every topic of the documentation text Python ships (pydoc_data.topics: the reference
-    manual's sections behind help('TOPIC')), in sorted order."""
-    from pydoc_data.topics import topics
-
-    return [(f"pydoc_data/topics/{key}", text) for key, text in sorted(topics.items()) if text.strip()]
 
 
 CHAT_SHUFFLE_SEED = 0  # the order of the training documents when chats join them

@@ -1,7 +1,8 @@
 """Figures of docs/training.md from two runs of examples/train.py (the hybrid and its all-attention twin).
 
     python examples/training_report.py --data out/data/stdlib --runs out/runs/hybrid out/runs/full \\
-        --names "KDA hybrid" "all-MLA twin" --plot docs/training_loss.png --json docs/training_metrics.json
+        --names "KDA hybrid" "all-MLA twin" \\
+        --plot docs/records/stdlib-training/training_loss.png --json docs/records/stdlib-training/training_metrics.json
 
 For each run: parameters (total and without the embedding and LM head), validation loss / perplexity of the
 saved `final/` checkpoint on every full row of val.bin (the loop's own figure is in log.jsonl), and cache bytes at

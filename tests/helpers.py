@@ -3,7 +3,9 @@ tokens and logits, KDA op inputs, the relative-error check and op gradients. Tes
 from _native, _fake_hub, _tokenizer), never from one another."""
 
 import copy
+import importlib.util
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -339,3 +341,16 @@ def assert_bit_exact(actual: dict, expected: dict):
         assert actual[name].dtype == t.dtype, name
         assert actual[name].shape == t.shape, name
         assert torch.equal(actual[name].view(torch.uint8), t.contiguous().view(torch.uint8)), name
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_script(relative: str, name: str):
+    """A script of the repository (examples/..., benchmarks/...) as a module, by its path: the scripts are not a
+    package and nothing edits sys.path. Registered in sys.modules under `name` (a dataclass looks its module up)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / relative)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -1,10 +1,7 @@
-"""benchmarks/profile_smollm2_decode.py's shared-KV what-if computes what a KDA layer with GQA-shared keys and
+"""examples/smollm2/profile_smollm2_decode.py's shared-KV what-if computes what a KDA layer with GQA-shared keys and
 values computes: on a fresh conversion (k/v heads repeated from the source's KV heads) it equals the student."""
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import torch
 
@@ -12,9 +9,9 @@ from kda_hybrid import KDAHybridForCausalLM
 from kda_hybrid.conversion import convert
 
 from ._attention_sources import ids, save_source
+from .helpers import load_script
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from profile_smollm2_decode import shared_kv  # noqa: E402
+shared_kv = load_script("examples/smollm2/profile_smollm2_decode.py", "profile_smollm2_decode").shared_kv
 
 
 def _logits_and_step(model, x):

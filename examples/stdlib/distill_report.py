@@ -1,12 +1,15 @@
-"""Figures of docs/distillation.md: a Llama-architecture teacher, the hybrid converted from it before and after each
-distillation stage, and a hybrid of the same shape trained from scratch on the distillation's token budget.
+"""Figures of docs/records/stdlib-distillation/README.md: a Llama-architecture teacher, the hybrid converted from it
+before and after each distillation stage, and a hybrid of the same shape trained from scratch on the distillation's
+token budget.
 
-    python examples/distill_report.py --data out/data/stdlib \\
+    python examples/stdlib/distill_report.py --data out/data/stdlib \\
         --model teacher=out/runs/teacher/final --model converted=out/runs/student0 \\
         --model "stage 1"=out/runs/distill-1/final --model "stage 2"=out/runs/distill-2/final \\
         --model "from scratch"=out/runs/scratch280/final \\
-        --stage-logs out/runs/distill-1 out/runs/distill-2 --plot docs/distillation_loss.png \\
-        --json docs/distillation_metrics.json --samples docs/distillation_samples.md --sample-from teacher "stage 2"
+        --stage-logs out/runs/distill-1 out/runs/distill-2 \\
+        --plot docs/records/stdlib-distillation/distillation_loss.png \\
+        --json docs/records/stdlib-distillation/distillation_metrics.json \\
+        --samples docs/records/stdlib-distillation/distillation_samples.md --sample-from teacher "stage 2"
 
 For each model: parameters, validation loss / perplexity on every full row of val.bin (the 12 held-out stdlib files;
 kda_hybrid.train.data.evaluate, fp32, documents never see each other) and the inference cache of one sequence at
@@ -93,7 +96,7 @@ def samples(models: dict, folder: Path, names: list[str], max_new_tokens: int = 
 
     tok = AutoTokenizer.from_pretrained(folder)
     out = ["# Samples", "", f"{max_new_tokens} new tokens per prompt, sampled with temperature 0.7, top-p 0.95, "
-           "repetition penalty 1.1, seed 0 (examples/distill_report.py).", ""]
+           "repetition penalty 1.1, seed 0 (examples/stdlib/distill_report.py).", ""]
     for prompt in PROMPTS:
         ids = tok(prompt, return_tensors="pt").input_ids
         for name in names:

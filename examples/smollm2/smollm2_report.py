@@ -1,8 +1,8 @@
-"""Judge linearized students by what they generate, not only by perplexity (docs/smollm2.md).
+"""Judge linearized students by what they generate, not only by perplexity (docs/records/smollm2/README.md).
 
-    python examples/smollm2_report.py --data out/data/smollm2 --model teacher=out/smollm2/all-A \\
-        --model "kkA stage 2"=out/smollm2/distill-2-kkA/final ... --prompts examples/chat_prompts.txt \\
-        --json docs/smollm2_metrics.json --transcripts docs/smollm2_transcripts.md
+    python examples/smollm2/smollm2_report.py --data out/data/smollm2 --model teacher=out/smollm2/all-A \\
+        --model "kkA stage 2"=out/smollm2/distill-2-kkA/final ... --prompts examples/smollm2/chat_prompts.txt \\
+        --json docs/records/smollm2/smollm2_metrics.json --transcripts docs/records/smollm2/smollm2_transcripts.md
 
 For every model (the first --model is the teacher), on data none of them trained on (prepare_data.py --pydoc's
 held-out split):
@@ -197,8 +197,8 @@ def main(argv=None) -> dict:
                              for q in prompts[:args.transcript_prompts]]
             del model
         parts = [f"# SmolLM2-135M-Instruct and its KDA student: chat transcripts\n\nGreedy, {args.transcript_tokens} "
-                 "new tokens at most, the first prompts of examples/chat_prompts.txt "
-                 "(`python examples/smollm2_report.py ...`, see docs/smollm2.md).\n"]
+                 "new tokens at most, the first prompts of examples/smollm2/chat_prompts.txt "
+                 "(`python examples/smollm2/smollm2_report.py ...`, see docs/records/smollm2/README.md).\n"]
         for i, q in enumerate(prompts[:args.transcript_prompts]):
             parts.append(f"## {q}\n")
             for name in chosen:

@@ -1,7 +1,7 @@
 """Where a decode step of SmolLM2-135M-Instruct and of its KDA students spends its time, on the real shape.
 
-    python benchmarks/profile_smollm2_decode.py --student kkA=out/smollm2-kkA
-    python benchmarks/profile_smollm2_decode.py --student kkA=out/smollm2-kkA --shared-kv --rounds 6
+    python examples/smollm2/profile_smollm2_decode.py --student kkA=out/smollm2-kkA
+    python examples/smollm2/profile_smollm2_decode.py --student kkA=out/smollm2-kkA --shared-kv --rounds 6
 
 For each model: a prefill of --context tokens, then torch.profiler over --steps decode steps (the fastest of
 --repeats such runs): self CPU time per step, split into aten::mm (the weight matrix-vector products) and
@@ -16,17 +16,12 @@ from __future__ import annotations
 
 import copy
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_smollm2 import load  # noqa: E402
-
-from kda_hybrid.bench.report import Report, benchmark_parser  # noqa: E402
+from kda_hybrid.bench.report import Report, benchmark_parser
 
 
 class _SharedHeads(nn.Module):
@@ -105,6 +100,8 @@ def main():
     parser.add_argument("--rounds", type=int, default=6, help="interleaved timing rounds for --shared-kv")
     args = parser.parse_args()
     report = Report(args)
+    from bench_smollm2 import load  # beside this script (imported here: tests import shared_kv alone)
+
     teacher = load()
     models = {"SmolLM2": teacher, **{n: load(f) for n, f in (s.split("=", 1) for s in args.student)}}
     if args.shared_kv:

@@ -1,11 +1,12 @@
 """Chat-formatted distillation documents that keep the data rule: a passage of the training split (stdlib code or a
 pydoc_data topic) as the user turn, the teacher's own greedy reply as the assistant turn.
 
-    python examples/chat_distill_data.py --teacher out/smollm2/all-A \\
+    python examples/smollm2/chat_distill_data.py --teacher out/smollm2/all-A \\
         --out out/data/smollm2-chat/chats.jsonl --count 400
 
-Why (docs/smollm2.md): a student distilled on raw stdlib text learns that text and not the chat turn, and answers
-chat prompts with newlines. These documents put the chat template around text the rule allows; nothing else
+Why (docs/records/smollm2/README.md): a student distilled on raw stdlib text learns that text and not the chat turn,
+and answers chat prompts with newlines. These documents put the chat template around text the rule allows; nothing
+else
 enters, and the held-out files of prepare_data.py --pydoc stay out (passages come from the training split only,
 chosen by the same path hash). Appends one JSON line per document (flushed), so a killed run continues where it
 stopped; the order of passages is fixed by --seed.
@@ -16,15 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import time
 import warnings
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from prepare_data import corpus_files, is_validation, pydoc_documents, read_text, stdlib_root  # noqa: E402
+from kda_hybrid.train.corpus import corpus_files, is_validation, pydoc_documents, read_text, stdlib_root
 
 ASKS_CODE = ("Explain what this Python code does:", "What is this Python code for?",
              "Summarize this Python code in a few sentences:")

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The distillation experiment of docs/distillation.md, end to end on one CPU thread per run (about 2 hours here):
+# The distillation experiment of docs/records/stdlib-distillation/README.md, end to end on one CPU thread per run (about 2 hours here):
 # a Llama-architecture teacher on the stdlib corpus with the shipped hybrid's budget (1,400 steps x 2,048 tokens),
 # its conversion to kkkAkkkA, two distillation stages on 280 steps (20% of the teacher's tokens), and a hybrid of the
 # same shape trained from scratch on those 280 steps; then the report. Runs resume where they stopped.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 DATA=${DATA:-out/data/stdlib}
 RUNS=${RUNS:-out/runs}
 COMMON=(--data "$DATA" --seq-len 512 --batch-size 4 --micro-batch-size 4 --save-every 50 --save-dtype bf16
@@ -28,10 +28,10 @@ python examples/train.py "${COMMON[@]}" --out "$RUNS/scratch-kkkAkkkA" --steps 2
     --eval-every 140 --config-json '{"attention_type": "gqa", "num_key_value_heads": 4, "layer_types":
     ["linear_attention", "linear_attention", "linear_attention", "full_attention", "linear_attention",
      "linear_attention", "linear_attention", "full_attention"]}'
-python examples/distill_report.py --data "$DATA" \
+python examples/stdlib/distill_report.py --data "$DATA" \
     --model teacher="$RUNS/teacher/final" --model "converted (before distillation)"="$RUNS/student0" \
     --model "after stage 1"="$RUNS/distill-1/final" --model "after stage 2"="$RUNS/distill-2/final" \
     --model "from scratch, 280 steps"="$RUNS/scratch-kkkAkkkA/final" \
-    --stage-logs "$RUNS/distill-1" "$RUNS/distill-2" --plot docs/distillation_loss.png \
-    --json docs/distillation_metrics.json --samples docs/distillation_samples.md \
+    --stage-logs "$RUNS/distill-1" "$RUNS/distill-2" --plot docs/records/stdlib-distillation/distillation_loss.png \
+    --json docs/records/stdlib-distillation/distillation_metrics.json --samples docs/records/stdlib-distillation/distillation_samples.md \
     --sample-from teacher "after stage 2"

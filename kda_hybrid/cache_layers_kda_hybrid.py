@@ -374,5 +374,43 @@ def kv_shapes(config) -> tuple[tuple[int, int], tuple[int, int]]:
     return (config.num_key_value_heads, config.head_dim), (config.num_key_value_heads, config.head_dim)
 
 
-__all__ = ["KDAHybridCacheLayer", "KDALayerState", "KVLayerState", "conv_states_after", "kda_state_shapes", "kv_shapes",
-           "shift_conv_state"]
+# bytes per value of the activation dtypes a config names
+_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float64": 8, "double": 8}
+
+
+def _dtype_name(dtype) -> str:
+    """'bfloat16' from torch.bfloat16, 'torch.bfloat16' or 'bfloat16'; 'float32' when unknown."""
+    name = str(dtype).removeprefix("torch.") if dtype is not None else "float32"
+    return name if name in _DTYPE_BYTES else "float32"
+
+
+def cache_bytes(config, dtype=None) -> dict:
+    """Inference memory of one sequence, in bytes, with activations (and the KV cache) in `dtype` (default: the
+    config's `dtype`, else float32).
+
+    kv_per_token: the full-attention cache, which grows with every token. MLA caches the compressed latent and
+    the shared key part, (kv_lora_rank + qk_rope_head_dim) values per token per layer; GQA caches keys and
+    values, 2 * num_key_value_heads * head_dim.
+    kda_state: the fixed KDA state per sequence, per KDA layer an fp32 recurrent state [H, K, V] plus the q, k, v
+    short-conv states, 3 * (conv - 1) * H * K values in `dtype`.
+    """
+    name = _dtype_name(dtype if dtype is not None else getattr(config, "dtype", None))
+    width = _DTYPE_BYTES[name]
+    n_attention = sum(t == "full_attention" for t in config.layer_types)
+    n_kda = len(config.layer_types) - n_attention
+    kv_values = sum(heads * dim for heads, dim in kv_shapes(config))  # the shapes the cache allocates
+    (conv_channels, conv_width), (H, K, V) = kda_state_shapes(config)
+    kda_layer = H * K * V * 4 + 3 * conv_channels * conv_width * width
+    return {
+        "dtype": name,
+        "kv_per_token": n_attention * kv_values * width,
+        "kda_state": n_kda * kda_layer,
+        "kv_per_token_per_layer": kv_values * width,
+        "kda_state_per_layer": kda_layer,
+        "attention_layers": n_attention,
+        "kda_layers": n_kda,
+    }
+
+
+__all__ = ["KDAHybridCacheLayer", "KDALayerState", "KVLayerState", "cache_bytes", "conv_states_after",
+           "kda_state_shapes", "kv_shapes", "shift_conv_state"]

@@ -20,7 +20,7 @@ import os
 import re
 import shutil
 
-from .cache_layers_kda_hybrid import kda_state_shapes, kv_shapes
+from .cache_layers_kda_hybrid import cache_bytes
 
 GENERATED_MARKER = "<!-- kda-hybrid: generated model card; delete this line to keep your edits on the next save -->"
 DEFAULT_LICENSE = "mit"
@@ -38,7 +38,6 @@ AUTO_MAP = {
     "AutoModelForSequenceClassification": "modeling_kda_hybrid.KDAHybridForSequenceClassification",
     "AutoModelForTokenClassification": "modeling_kda_hybrid.KDAHybridForTokenClassification",
 }
-_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float64": 8, "double": 8}
 def carried_modules(entry: str = "modeling_kda_hybrid.py") -> tuple[str, ...]:
     """The modules a checkpoint carries: the modeling file and every sibling it imports with `from .x import`,
     recursively (what save_pretrained copies), read from this module's folder so the list never goes stale."""
@@ -55,40 +54,6 @@ def carried_modules(entry: str = "modeling_kda_hybrid.py") -> tuple[str, ...]:
 
 
 CARRIED_MODULES = carried_modules()
-
-
-def _dtype_name(dtype) -> str:
-    """'bfloat16' from torch.bfloat16, 'torch.bfloat16' or 'bfloat16'; 'float32' when unknown."""
-    name = str(dtype).removeprefix("torch.") if dtype is not None else "float32"
-    return name if name in _DTYPE_BYTES else "float32"
-
-
-def cache_bytes(config, dtype=None) -> dict:
-    """Inference memory of one sequence, in bytes, with activations (and the KV cache) in `dtype` (default: the
-    config's `dtype`, else float32).
-
-    kv_per_token: the full-attention cache, which grows with every token. MLA caches the compressed latent and
-    the shared key part, (kv_lora_rank + qk_rope_head_dim) values per token per layer; GQA caches keys and
-    values, 2 * num_key_value_heads * head_dim.
-    kda_state: the fixed KDA state per sequence, per KDA layer an fp32 recurrent state [H, K, V] plus the q, k, v
-    short-conv states, 3 * (conv - 1) * H * K values in `dtype`.
-    """
-    name = _dtype_name(dtype if dtype is not None else getattr(config, "dtype", None))
-    width = _DTYPE_BYTES[name]
-    n_attention = sum(t == "full_attention" for t in config.layer_types)
-    n_kda = len(config.layer_types) - n_attention
-    kv_values = sum(heads * dim for heads, dim in kv_shapes(config))  # the shapes the cache allocates
-    (conv_channels, conv_width), (H, K, V) = kda_state_shapes(config)
-    kda_layer = H * K * V * 4 + 3 * conv_channels * conv_width * width
-    return {
-        "dtype": name,
-        "kv_per_token": n_attention * kv_values * width,
-        "kda_state": n_kda * kda_layer,
-        "kv_per_token_per_layer": kv_values * width,
-        "kda_state_per_layer": kda_layer,
-        "attention_layers": n_attention,
-        "kda_layers": n_kda,
-    }
 
 
 def expert_bytes(config) -> dict:

@@ -41,7 +41,7 @@ from .kda_torch import (
 
 try:  # optional: `import kda_hybrid` must work without triton (CPU wheels, macOS)
     from .kda_triton import chunk_kda_triton, fused_recurrent_kda_triton
-    from .kda_triton_fwd import triton_interpreted as _triton_interpreted
+    from .kda_triton_runtime import triton_interpreted as _triton_interpreted
 
     _TRITON_IMPORT_ERROR = None
     # grouped value heads have no keyword (only shapes): kernels that take HV > H say so with this flag, and

@@ -15,12 +15,8 @@ except ImportError as err:
 
 from .kda_torch import CHUNK_SIZE, CHUNK_SIZES, kda_gate, l2norm, records_autograd
 from .kda_triton_bwd import chunk_kda_bwd
-from .kda_triton_fwd import (
-    _KERNEL_DTYPES,
-    _chunk_kda_fwd,
-    _chunk_layout,
-    _fused_recurrent_kda_fwd,
-)
+from .kda_triton_fwd import chunk_kda_fwd, fused_recurrent_kda_fwd
+from .kda_triton_runtime import KERNEL_DTYPES, chunk_layout
 
 # --------------------------------------------------------------------------------------------------
 # Autograd
@@ -37,8 +33,8 @@ class ChunkKDAFunction(torch.autograd.Function):
                 chunk_size):
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
         # the products' precision follows v: q, k arrive in fp32 after the L2 norm whatever the input dtype
-        layout = _chunk_layout(cu_seqlens, q.shape[0], q.shape[1], q.device, cu_seqlens_cpu, v.dtype, chunk_size)
-        o, ht, h, saved = _chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, layout)
+        layout = chunk_layout(cu_seqlens, q.shape[0], q.shape[1], q.device, cu_seqlens_cpu, v.dtype, chunk_size)
+        o, ht, h, saved = chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, layout)
         ctx.save_for_backward(q, k, v, g, beta, initial_state, *saved)
         ctx.scale, ctx.layout, ctx.g_dtype = scale, layout, g.dtype
         ctx.mark_non_differentiable(h)
@@ -60,7 +56,7 @@ class ChunkKDAFunction(torch.autograd.Function):
 
 def _check_kernel_inputs(name, tensors, HV, H, chunk_size=CHUNK_SIZE):
     for arg, x in tensors:
-        if x is not None and x.dtype not in _KERNEL_DTYPES:
+        if x is not None and x.dtype not in KERNEL_DTYPES:
             raise TypeError(f"{name}: the Triton kernels take float32, bfloat16 or float16; {arg} is {x.dtype} "
                             "(float64 runs on backend='torch' or 'reference')")
     if chunk_size not in CHUNK_SIZES:
@@ -133,7 +129,7 @@ def fused_recurrent_kda_triton(q, k, v, g, beta, scale, initial_state=None, outp
                                state_v_first=False):
     """Recurrent KDA (decode) with one fused Triton kernel; the q/k L2 norm is fused too. Layouts and options as
     chunk_kda_triton; ssm_state_indices [N] (int) makes initial_state a state pool [P, HV, K, V] (see
-    `_fused_recurrent_kda_fwd`). Forward only: when a gradient is needed it returns `chunk_kda_triton` (same
+    `fused_recurrent_kda_fwd`). Forward only: when a gradient is needed it returns `chunk_kda_triton` (same
     values, differentiable; never in place)."""
     B, T, H, K = q.shape
     HV = v.shape[2]
@@ -162,6 +158,6 @@ def fused_recurrent_kda_triton(q, k, v, g, beta, scale, initial_state=None, outp
                                 use_qk_l2norm_in_kernel, cu_seqlens, **opts)
     g, beta = _activations(g, beta, use_gate_in_kernel, A_log, dt_bias, lower_bound, use_beta_sigmoid_in_kernel,
                            allow_neg_eigval)
-    return _fused_recurrent_kda_fwd(q, k, v, g, beta, float(scale), initial_state, output_final_state,
+    return fused_recurrent_kda_fwd(q, k, v, g, beta, float(scale), initial_state, output_final_state,
                                     use_qk_l2norm_in_kernel, cu_seqlens, inplace_final_state, ssm_state_indices,
                                     state_v_first)

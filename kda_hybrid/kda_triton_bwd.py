@@ -3,7 +3,7 @@
 docs/architecture.md §1, §9).
 
 `ChunkKDAFunction` saves G, A_qk, Ai = (I + A_kk)^-1, w, u from the forward; the backward is four stages:
-  4. state scan (forward, rerun)  `kda_triton_fwd._state_scan_fwd`: the states entering every chunk and v_new
+  4. state scan (forward, rerun)  `kda_triton_fwd.state_scan_fwd`: the states entering every chunk and v_new
   6. reverse state scan           `_state_scan_bwd`: dh (gradient of each chunk's outgoing state), dv_new,
                                   dh0; the final-state gradient dht seeds it
   7. chunk gradients              `_chunk_bwd`: dv; dq, dk, dbeta, dG through S, w, u, Ai, exp(G); dA_qk, dA_kk
@@ -30,11 +30,10 @@ from .kda_triton_fwd import (
     NEG_INF,
     STATE_BWD_NUM_STAGES,
     SUB_CHUNK,
-    LazyKernel,
-    _block,
-    _scan_block_v,
-    _state_scan_fwd,
+    scan_block_v,
+    state_scan_fwd,
 )
+from .kda_triton_runtime import LazyKernel, block
 
 # --------------------------------------------------------------------------------------------------
 # Kernels. Per chunk, with S the state entering it, dS' the gradient of the state leaving it and
@@ -309,8 +308,8 @@ def _state_scan_bwd(q, k, w, G, Aqk, do, dht, scale, layout, need_dh0):
     B, T, H, K = q.shape
     HV, V = do.shape[2], do.shape[3]
     N, NC = cu.numel() - 1, chunk_indices.shape[0]
-    BK = _block(K)
-    BVS = _scan_block_v(BK, _block(V))
+    BK = block(K)
+    BVS = scan_block_v(BK, block(V))
     f32 = dict(device=q.device, dtype=torch.float32)
     do = do.contiguous()
     dht = dht.contiguous() if dht is not None else None
@@ -342,8 +341,8 @@ def _chunk_bwd(q, k, v, G, beta, h, dh, v_new, dv_new, w, u, Ai, do, scale, layo
     dAkk = torch.empty(B, T, HV, layout.chunk_size, **f32)
     _kda_chunk_bwd_kernel[(chunk_indices.shape[0], HV)](
         q, k, v, G, beta, h, dh, v_new, dv_new, w, u, Ai, do.contiguous(), dq, dk, dv, dbeta, dG, dAqk, dAkk,
-        cu, chunk_indices, scale, H=H, HV=HV, K=K, V=V, BT=layout.chunk_size, BK=_block(K),
-        BV=min(_block(V), CHUNK_BWD_BV), DOT_PREC=layout.dot_precision, num_warps=CHUNK_BWD_NUM_WARPS,
+        cu, chunk_indices, scale, H=H, HV=HV, K=K, V=V, BT=layout.chunk_size, BK=block(K),
+        BV=min(block(V), CHUNK_BWD_BV), DOT_PREC=layout.dot_precision, num_warps=CHUNK_BWD_NUM_WARPS,
         num_stages=CHUNK_BWD_NUM_STAGES)
     return dq, dk, dv, dbeta, dG, dAqk, dAkk
 
@@ -356,7 +355,7 @@ def _gated_products_bwd(q, k, g, G, beta, dAqk, dAkk, dq, dk, dbeta, dG, scale, 
     HV = G.shape[2]
     _kda_intra_bwd_kernel[(chunk_indices.shape[0], HV)](
         q, k, g, G, beta, dAqk, dAkk, dq, dk, dbeta, dG, cu, chunk_indices, scale, H=H, HV=HV, K=K,
-        BT=layout.chunk_size, BC=SUB_CHUNK, BK=_block(K), DOT_PREC=layout.dot_precision)
+        BT=layout.chunk_size, BC=SUB_CHUNK, BK=block(K), DOT_PREC=layout.dot_precision)
     return dq, dk, dbeta, dG
 
 
@@ -366,7 +365,7 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, initial_state, layout, saved, do, dht
     G, Aqk, Ai, w, u = saved
     B, T, H, K = q.shape
     HV = v.shape[2]
-    h, v_new, _ = _state_scan_fwd(k, w, u, G, initial_state, False, layout)
+    h, v_new, _ = state_scan_fwd(k, w, u, G, initial_state, False, layout)
     dh, dv_new, dh0 = _state_scan_bwd(q, k, w, G, Aqk, do, dht, scale, layout, need_dh0)
     dq, dk, dv, dbeta, dG, dAqk, dAkk = _chunk_bwd(q, k, v, G, beta, h, dh, v_new, dv_new, w, u, Ai, do, scale,
                                                    layout)

@@ -12,14 +12,14 @@ crosses a sequence boundary.
 
 Chunked forward: five stages, one kernel each, each with a launcher `_<stage>_fwd` that can be called on its
 own and a plain-PyTorch twin of the same signature in `kda_triton_twins` (`<stage>_ref`), per chunk of BT = 64:
-  1. gate cumsum      `_gate_cumsum_fwd`      G = within-chunk cumulative sum of max(g, GATE_FLOOR) (fp32)
-  2. gated products   `_gated_products_fwd`   A_kk = strict lower beta_r k_r.k_c exp(G_r - G_c),
+  1. gate cumsum      `gate_cumsum_fwd`      G = within-chunk cumulative sum of max(g, GATE_FLOOR) (fp32)
+  2. gated products   `gated_products_fwd`   A_kk = strict lower beta_r k_r.k_c exp(G_r - G_c),
                                               A_qk = lower scale q_r.k_c exp(G_r - G_c)
-  3. WY solve         `_wy_solve_fwd`         Ai = (I + A_kk)^-1 by 16x16 blocks, w = Ai (beta k exp G),
+  3. WY solve         `wy_solve_fwd`         Ai = (I + A_kk)^-1 by 16x16 blocks, w = Ai (beta k exp G),
                                               u = Ai (beta v)
-  4. state scan       `_state_scan_fwd`       sequential over chunks: v_new = u - w S,
+  4. state scan       `state_scan_fwd`       sequential over chunks: v_new = u - w S,
                                               S = exp(G_last) S + (k exp(G_last - G))^T v_new
-  5. output           `_output_fwd`           o = (scale q exp G) S + A_qk v_new
+  5. output           `output_fwd`           o = (scale q exp G) S + A_qk v_new
 Decode: `_kda_fused_recurrent_kernel` loops over the tokens of a sequence with the state in registers.
 
 Overflow: every exponent evaluated is <= 0 (up to rounding). exp(G_r - G_c) for an off-diagonal 16x16 sub-block
@@ -44,9 +44,6 @@ flags are compile-time constants.
 
 from __future__ import annotations
 
-import os
-from typing import NamedTuple
-
 import torch
 
 try:  # inside try: transformers' remote-code import check skips try blocks, so Hub loads work without triton
@@ -55,7 +52,8 @@ try:  # inside try: transformers' remote-code import check skips try blocks, so 
 except ImportError as err:
     raise ImportError("kda_hybrid.kda_triton_fwd needs the triton package (GPU kernels); kda_torch does not") from err
 
-from .kda_torch import CHUNK_SIZE, L2NORM_EPS  # one chunk size for every path
+from .kda_torch import L2NORM_EPS  # one chunk size for every path
+from .kda_triton_runtime import LazyKernel, block
 
 # CHUNK_SIZE / CHUNK_SIZES (64 by default, fla's 32 too) come from kda_torch: the WY solve works on
 # BT / SUB_CHUNK = 2 or 4 diagonal blocks
@@ -75,33 +73,6 @@ NEG_INF = tl.constexpr(float("-inf"))
 # differences G_r - G_c of the tokens after it keep ~7.6e-6 absolute precision (one ulp at 110)
 GATE_FLOOR_VALUE = -110.0
 GATE_FLOOR = tl.constexpr(GATE_FLOOR_VALUE)
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def triton_interpreted() -> bool:
-    """Whether triton runs kernels in its interpreter: triton's own reading of TRITON_INTERPRET (its knobs accept
-    1/true/on/y/yes in any case), so kda_ops and the launcher never disagree."""
-    try:
-        from triton import knobs
-
-        return bool(knobs.runtime.interpret)
-    except (ImportError, AttributeError):  # triton < 3.4 has no knobs
-        return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "y", "yes")
-
-
-class LazyKernel:
-    """`triton.jit` applied at first launch, once per mode (compiled / interpreted)."""
-
-    def __init__(self, fn):
-        self.fn = fn
-        self._jitted = {}
-
-    def __getitem__(self, grid):
-        mode = triton_interpreted()
-        kernel = self._jitted.get(mode)
-        if kernel is None:
-            kernel = self._jitted[mode] = triton.jit(self.fn)
-        return kernel[grid]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -497,74 +468,31 @@ def _kda_fused_recurrent_kernel(
 
 # --------------------------------------------------------------------------------------------------
 # Launchers: one per kernel (a stage of the pipeline; `kda_triton_twins.<stage>_ref` is its PyTorch twin, same
-# signature), then the chunked forward and the decode step. `layout` = _chunk_layout(...).
+# signature), then the chunked forward and the decode step. `layout` = chunk_layout(...).
 # --------------------------------------------------------------------------------------------------
 
 
-def _block(n: int) -> int:
-    """Register tile side for a head dim: a power of two >= 16 (the smallest tl.dot operand)."""
-    return max(16, triton.next_power_of_2(n))
-
-
-def dot_precision(dtype: torch.dtype) -> str:
-    # fp32 inputs get full-fp32 products (the tests hold them to 1e-5); 16-bit inputs carry 8-11 bits
-    # already, and tf32's 10-bit products keep the kernel's error below the rounding of the inputs.
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
-class ChunkLayout(NamedTuple):
-    """How the packed tokens split into chunks, and the products' precision: what every stage is given."""
-
-    cu_seqlens: torch.Tensor  # [N + 1] int32 offsets of the sequences in the packed B*T tokens
-    chunk_indices: torch.Tensor  # [NC, 2] int32: (sequence, chunk within it) of every global chunk
-    chunk_offsets: torch.Tensor  # [N] int32: global index of each sequence's first chunk
-    dot_precision: str  # tl.dot input precision, from the inputs' dtype (dot_precision)
-    chunk_size: int  # BT
-
-
-def _chunk_layout(cu_seqlens: torch.Tensor | None, B: int, T: int, device, cu_seqlens_cpu=None,
-                  dtype: torch.dtype = torch.float32, chunk_size: int = CHUNK_SIZE) -> ChunkLayout:
-    """The ChunkLayout of B sequences of T tokens, or of the packed sequences of cu_seqlens (B = 1). The chunk
-    list is built on the host: from cu_seqlens_cpu when given (no device sync), else from a copy of
-    cu_seqlens. Built once per forward; the backward reuses it. `dtype`: the dtype of q, k, v as given."""
-    BT = chunk_size
-    if cu_seqlens is None:
-        NT = triton.cdiv(T, BT)
-        cu = torch.arange(B + 1, device=device, dtype=torch.int32) * T
-        seq = torch.arange(B, device=device, dtype=torch.int32)
-        chunk_indices = torch.stack([seq.repeat_interleave(NT), torch.arange(NT, device=device,
-                                                                              dtype=torch.int32).repeat(B)], 1)
-        return ChunkLayout(cu, chunk_indices.contiguous(), seq * NT, dot_precision(dtype), BT)
-    host = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens
-    lens = (host[1:] - host[:-1]).tolist()
-    nts = [triton.cdiv(n, BT) for n in lens]
-    chunk_indices = torch.tensor([(i, t) for i, nt in enumerate(nts) for t in range(nt)], dtype=torch.int32)
-    offsets = torch.tensor([0, *nts[:-1]], dtype=torch.int64).cumsum(0).to(torch.int32)
-    return ChunkLayout(cu_seqlens.to(torch.int32), chunk_indices.to(device), offsets.to(device),
-                       dot_precision(dtype), BT)
-
-
-def _check_head_dims(K: int, V: int) -> None:
+def check_head_dims(K: int, V: int) -> None:
     if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
         raise ValueError(f"the Triton KDA kernels hold a head in registers: K, V <= {MAX_HEAD_DIM}, got {K}, {V}")
 
 
-def _scan_block_v(BK: int, BV: int) -> int:
+def scan_block_v(BK: int, BV: int) -> int:
     # the scans hold a [BK, BVS] fp32 state slice in registers: 32 columns keep K = 128 at 32 values a thread
     return min(BV, 64 if BK <= 64 else 32)
 
 
-def _gate_cumsum_fwd(g, layout):
+def gate_cumsum_fwd(g, layout):
     """Stage 1: G [B, T, HV, K] fp32, the within-chunk cumsum of max(g, GATE_FLOOR)."""
     cu, chunk_indices = layout.cu_seqlens, layout.chunk_indices
     B, T, HV, K = g.shape
     G = torch.empty(B, T, HV, K, device=g.device, dtype=torch.float32)
     _kda_gate_cumsum_kernel[(chunk_indices.shape[0], HV)](g, G, cu, chunk_indices, HV=HV, K=K, BT=layout.chunk_size,
-                                                          BK=_block(K))
+                                                          BK=block(K))
     return G
 
 
-def _gated_products_fwd(q, k, G, beta, scale, layout):
+def gated_products_fwd(q, k, G, beta, scale, layout):
     """Stage 2: (A_kk, A_qk) [B, T, HV, BT] fp32; row t holds its chunk's row. Only the sub-blocks on or below
     the diagonal are written (the later stages read nothing else)."""
     cu, chunk_indices = layout.cu_seqlens, layout.chunk_indices
@@ -575,11 +503,11 @@ def _gated_products_fwd(q, k, G, beta, scale, layout):
     Aqk = torch.empty(B, T, HV, layout.chunk_size, **f32)
     _kda_intra_fwd_kernel[(chunk_indices.shape[0], HV)](
         q, k, G, beta, Akk, Aqk, cu, chunk_indices, scale, H=H, HV=HV, K=K, BT=layout.chunk_size, BC=SUB_CHUNK,
-        BK=_block(K), DOT_PREC=layout.dot_precision)
+        BK=block(K), DOT_PREC=layout.dot_precision)
     return Akk, Aqk
 
 
-def _wy_solve_fwd(k, v, G, beta, Akk, layout):
+def wy_solve_fwd(k, v, G, beta, Akk, layout):
     """Stage 3: (Ai = (I + A_kk)^-1 [B, T, HV, BT] with zeros above the diagonal, w [B, T, HV, K],
     u [B, T, HV, V]), fp32."""
     cu, chunk_indices = layout.cu_seqlens, layout.chunk_indices
@@ -591,20 +519,20 @@ def _wy_solve_fwd(k, v, G, beta, Akk, layout):
     u = torch.empty(B, T, HV, V, **f32)
     _kda_solve_wu_kernel[(chunk_indices.shape[0], HV)](
         k, v, G, beta, Akk, Ai, w, u, cu, chunk_indices, H=H, HV=HV, K=K, V=V, BT=layout.chunk_size, BC=SUB_CHUNK,
-        BK=_block(K), BV=_block(V), DOT_PREC=layout.dot_precision)
+        BK=block(K), BV=block(V), DOT_PREC=layout.dot_precision)
     return Ai, w, u
 
 
-def _state_scan_fwd(k, w, u, G, initial_state, output_final_state, layout):
+def state_scan_fwd(k, w, u, G, initial_state, output_final_state, layout):
     """Stage 4: states entering every chunk h [NC, HV, K, V], v_new [B, T, HV, V] and the final state
     [N, HV, K, V] (None unless output_final_state), fp32."""
     cu, chunk_indices, chunk_offsets = layout[:3]
     B, T, H, K = k.shape
     HV, V = u.shape[2], u.shape[3]
     N, NC = cu.numel() - 1, chunk_indices.shape[0]
-    BK, BV = _block(K), _block(V)
+    BK, BV = block(K), block(V)
     f32 = dict(device=k.device, dtype=torch.float32)
-    BVS = _scan_block_v(BK, BV)
+    BVS = scan_block_v(BK, BV)
     h = torch.empty(NC, HV, K, V, **f32)  # state entering each chunk
     v_new = torch.empty(B, T, HV, V, **f32)
     ht = torch.empty(N, HV, K, V, **f32) if output_final_state else None
@@ -616,33 +544,33 @@ def _state_scan_fwd(k, w, u, G, initial_state, output_final_state, layout):
     return h, v_new, ht
 
 
-def _output_fwd(q, G, Aqk, h, v_new, scale, layout, dtype):
+def output_fwd(q, G, Aqk, h, v_new, scale, layout, dtype):
     """Stage 5: o [B, T, HV, V] in `dtype` (v's)."""
     cu, chunk_indices = layout.cu_seqlens, layout.chunk_indices
     B, T, H, K = q.shape
     HV, V = v_new.shape[2], v_new.shape[3]
     o = torch.empty(B, T, HV, V, device=q.device, dtype=dtype)
-    BVO = min(_block(V), 64)
+    BVO = min(block(V), 64)
     _kda_output_kernel[(triton.cdiv(V, BVO), chunk_indices.shape[0], HV)](
-        q, G, Aqk, h, v_new, o, cu, chunk_indices, scale, H=H, HV=HV, K=K, V=V, BT=layout.chunk_size, BK=_block(K),
+        q, G, Aqk, h, v_new, o, cu, chunk_indices, scale, H=H, HV=HV, K=K, V=V, BT=layout.chunk_size, BK=block(K),
         BV=BVO, DOT_PREC=layout.dot_precision)
     return o
 
 
-def _chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, layout):
+def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, layout):
     """Chunked forward on contiguous inputs (q, k already normalised if asked): the five stages. Returns o,
     the final state, the chunk states h and what the backward reuses: (G, A_qk, Ai = (I + A_kk)^-1, w, u)."""
-    _check_head_dims(q.shape[-1], v.shape[-1])
-    G = _gate_cumsum_fwd(g, layout)
-    Akk, Aqk = _gated_products_fwd(q, k, G, beta, scale, layout)
-    Ai, w, u = _wy_solve_fwd(k, v, G, beta, Akk, layout)
+    check_head_dims(q.shape[-1], v.shape[-1])
+    G = gate_cumsum_fwd(g, layout)
+    Akk, Aqk = gated_products_fwd(q, k, G, beta, scale, layout)
+    Ai, w, u = wy_solve_fwd(k, v, G, beta, Akk, layout)
     del Akk
-    h, v_new, ht = _state_scan_fwd(k, w, u, G, initial_state, output_final_state, layout)
-    o = _output_fwd(q, G, Aqk, h, v_new, scale, layout, v.dtype)
+    h, v_new, ht = state_scan_fwd(k, w, u, G, initial_state, output_final_state, layout)
+    o = output_fwd(q, G, Aqk, h, v_new, scale, layout, v.dtype)
     return o, ht, h, (G, Aqk, Ai, w, u)
 
 
-def _fused_recurrent_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm,
+def fused_recurrent_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm,
                              cu_seqlens, inplace_final_state, ssm_state_indices=None, state_v_first=False):
     """Decode launcher: one program per (V block, sequence, value head). Returns o and the final state (None
     unless asked); with inplace_final_state the final state is written into initial_state and that tensor
@@ -650,7 +578,7 @@ def _fused_recurrent_kda_fwd(q, k, v, g, beta, scale, initial_state, output_fina
     ssm_state_indices[n] (negative: padding, skipped: o = 0 there, the pool row untouched)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    _check_head_dims(K, V)
+    check_head_dims(K, V)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     indices = ssm_state_indices
@@ -667,10 +595,10 @@ def _fused_recurrent_kda_fwd(q, k, v, g, beta, scale, initial_state, output_fina
     h0 = initial_state
     if h0 is not None and not h0.is_contiguous():
         h0 = h0.contiguous()
-    BK = _block(K)
+    BK = block(K)
     # 32 state columns a program: K = 128 costs 32 fp32 registers a thread, and B * H * V / 32 programs
     # (512 at B = 1, H = 16, V = 128) are enough to stream the state at full bandwidth
-    BV = min(_block(V), 32)
+    BV = min(block(V), 32)
     _kda_fused_recurrent_kernel[(triton.cdiv(V, BV), N, HV)](
         q, k, v, g, beta, o, h0 if h0 is not None else o, ht if ht is not None else o,
         cu_seqlens if cu_seqlens is not None else o, indices if indices is not None else o, scale, T,

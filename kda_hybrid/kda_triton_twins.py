@@ -2,17 +2,17 @@
 outputs (docs/architecture.md §1, §9):
 
     Triton launcher (kda_triton_fwd / _bwd)        twin here
-    _gate_cumsum_fwd(g, layout)                     gate_cumsum_ref
-    _gated_products_fwd(q, k, G, beta, scale, ly)   gated_products_ref
-    _wy_solve_fwd(k, v, G, beta, Akk, ly)           wy_solve_ref
-    _state_scan_fwd(k, w, u, G, h0, final, ly)      state_scan_ref
-    _output_fwd(q, G, Aqk, h, v_new, scale, ly, dt) output_ref
+    gate_cumsum_fwd(g, layout)                     gate_cumsum_ref
+    gated_products_fwd(q, k, G, beta, scale, ly)   gated_products_ref
+    wy_solve_fwd(k, v, G, beta, Akk, ly)           wy_solve_ref
+    state_scan_fwd(k, w, u, G, h0, final, ly)      state_scan_ref
+    output_fwd(q, G, Aqk, h, v_new, scale, ly, dt) output_ref
     _state_scan_bwd(q, k, w, G, Aqk, do, dht, ...)  state_scan_bwd_ref
     _chunk_bwd(q, k, v, G, beta, h, dh, ...)        chunk_bwd_ref
     _gated_products_bwd(q, k, g, G, beta, ...)      gated_products_bwd_ref (functional: returns new tensors,
                                                     where the launcher updates dq, dk, dbeta, dG in place)
 
-Each twin loops over the chunks of `layout` (a kda_triton_fwd.ChunkLayout: cu_seqlens [N + 1], chunk_indices
+Each twin loops over the chunks of `layout` (a kda_triton_runtime.ChunkLayout: cu_seqlens [N + 1], chunk_indices
 [NC, 2] = (sequence, chunk), ...; its dot_precision is ignored, the twins are fp32) in Python and computes
 one chunk (all value heads at once) the direct way: exp(G_r - G_c) from the exact differences (no
 anchoring), inverses with torch.linalg, gradients of the gated products by autograd. Slow and simple on

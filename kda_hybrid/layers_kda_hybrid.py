@@ -18,13 +18,8 @@ from .cache_layers_kda_hybrid import KDALayerState, KVLayerState, conv_states_af
 from .configuration_kda_hybrid import KDAHybridConfig
 from .kda_ops import chunk_kda, recurrent_step
 from .kda_torch import kda_gate, l2norm
+from .mxfp4_ops import mxfp4_linear
 from .mxfp4_torch import MXFP4_GROUP, check_mxfp4, dequantize_mxfp4
-
-try:  # optional, as the KDA kernels are: the fused MXFP4 matmul for CUDA tensors
-    from .mxfp4_triton import KERNEL_DTYPES as MXFP4_KERNEL_DTYPES
-    from .mxfp4_triton import mxfp4_linear_triton
-except Exception:  # noqa: BLE001 - any failure (missing triton, no driver) means "not available"
-    mxfp4_linear_triton, MXFP4_KERNEL_DTYPES = None, ()
 
 ABSORB_MAX_QUERY = 16  # MLA: queries up to this long (decode, draft verification) attend in latent space
 # MLA latent attention from this many cached tokens on: scores as keys x queries (1.6 vs 2.3 ms per layer at 16K
@@ -813,25 +808,6 @@ class KDAHybridMLP(nn.Module):
 
     def forward(self, x):
         return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
-
-
-MXFP4_BACKENDS = ("auto", "torch", "triton")
-
-
-def mxfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, backend: str = "auto") -> torch.Tensor:
-    """F.linear(x, dequantize_mxfp4(packed, scale, x.dtype)). "auto": on CUDA (fp32 / bf16 / fp16 activations)
-    the fused Triton kernel of mxfp4_triton, which decodes the weight tile by tile and never writes it out; else
-    "torch", the weight expanded for this call. "triton" elsewhere needs TRITON_INTERPRET=1 (tests)."""
-    if backend not in MXFP4_BACKENDS:
-        raise ValueError(f"backend must be one of {MXFP4_BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        fused = x.device.type == "cuda" and x.dtype in MXFP4_KERNEL_DTYPES
-        backend = "triton" if fused else "torch"
-    if backend == "triton":
-        if mxfp4_linear_triton is None:
-            raise RuntimeError("backend='triton' needs the triton package (pip install triton); use 'torch'")
-        return mxfp4_linear_triton(x, packed, scale)
-    return F.linear(x, dequantize_mxfp4(packed, scale, x.dtype))
 
 
 class MXFP4Linear(nn.Module):

@@ -23,7 +23,7 @@ try:  # inside try: transformers' remote-code import check skips try blocks, so 
 except ImportError as err:
     raise ImportError("kda_hybrid.mxfp4_triton needs the triton package (GPU kernels)") from err
 
-from .kda_triton_fwd import LazyKernel, dot_precision
+from .kda_triton_runtime import LazyKernel, dot_precision
 from .mxfp4_torch import check_mxfp4, dequantize_mxfp4
 
 BLOCK_K = 64  # K per step: two scale groups, 32 bytes per weight row

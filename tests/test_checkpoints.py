@@ -163,8 +163,9 @@ def test_the_top_level_is_what_a_checkpoint_carries():
 
 
 def test_carried_modules_import_no_circle_and_the_model_no_private_names():
-    """The carried modules' imports form no circle (eager or lazy), and the model's modules (layers, modeling, the
-    cache) import no private name from another module: they use the ops' and the cache layers' public API."""
+    """The carried modules' imports form no circle (eager or lazy), and no carried module imports a private name
+    from another (the model, the cache, the ops, the Triton kernels and their runtime, MXFP4): each uses the
+    others' public API."""
     graph = {name[:-3]: {m for m, _, level in _imports(PACKAGE / name) if level == 1} for name in CARRIED_MODULES}
 
     def visit(node, path):
@@ -174,9 +175,8 @@ def test_carried_modules_import_no_circle_and_the_model_no_private_names():
 
     for node in graph:
         visit(node, [])
-    model_modules = ("layers_kda_hybrid", "modeling_kda_hybrid", "cache_kda_hybrid", "cache_layers_kda_hybrid")
-    for module in model_modules:
-        private = [(m, n) for m, names, level in _imports(PACKAGE / f"{module}.py") if level == 1
+    for module in CARRIED_MODULES:
+        private = [(m, n) for m, names, level in _imports(PACKAGE / module) if level == 1
                    for n in names if n.startswith("_")]
         assert not private, (module, private)
 

@@ -35,7 +35,7 @@ DEVICE = "cuda" if CUDA else "cpu"
 if not kda_ops.triton_available():
     pytest.skip(f"Triton kernels unavailable: {kda_ops._TRITON_IMPORT_ERROR!r}", allow_module_level=True)
 
-from kda_hybrid import kda_triton, kda_triton_fwd  # noqa: E402  (importable: checked just above)
+from kda_hybrid import kda_triton, kda_triton_fwd, kda_triton_runtime  # noqa: E402  (importable: checked just above)
 
 
 def _make_stdlib_interpretable(mp):
@@ -473,7 +473,7 @@ def _twin_intermediates(chunk_size):
     """Every intermediate of the forward and backward, from the twins."""
     q, k, v, g, beta, h0, cu, do, dht = _stage_inputs()
     st, scale = kda_triton_twins, 0.25
-    layout = kda_triton_fwd._chunk_layout(cu, 1, q.shape[1], q.device, chunk_size=chunk_size)
+    layout = kda_triton_runtime.chunk_layout(cu, 1, q.shape[1], q.device, chunk_size=chunk_size)
     G = st.gate_cumsum_ref(g, layout)
     Akk, Aqk = st.gated_products_ref(q, k, G, beta, scale, layout)
     Ai, w, u = st.wy_solve_ref(k, v, G, beta, Akk, layout)
@@ -531,12 +531,12 @@ def test_twin_pipeline_matches_reference(stage_data):
 
 def test_stage_gate_cumsum(stage_data):
     d = stage_data
-    _check_stage("G", kda_triton_fwd._gate_cumsum_fwd(d["g"], d["layout"]), d["G"])
+    _check_stage("G", kda_triton_fwd.gate_cumsum_fwd(d["g"], d["layout"]), d["G"])
 
 
 def test_stage_gated_products(stage_data):
     d = stage_data
-    Akk, Aqk = kda_triton_fwd._gated_products_fwd(d["q"], d["k"], d["G"], d["beta"], d["scale"], d["layout"])
+    Akk, Aqk = kda_triton_fwd.gated_products_fwd(d["q"], d["k"], d["G"], d["beta"], d["scale"], d["layout"])
     T = d["q"].shape[1]
     _check_stage("A_kk", Akk, d["Akk"], mask=_lower_mask(d["layout"], T, strict=True))
     _check_stage("A_qk", Aqk, d["Aqk"], mask=_lower_mask(d["layout"], T, strict=False))
@@ -544,21 +544,21 @@ def test_stage_gated_products(stage_data):
 
 def test_stage_wy_solve(stage_data):
     d = stage_data
-    Ai, w, u = kda_triton_fwd._wy_solve_fwd(d["k"], d["v"], d["G"], d["beta"], d["Akk"], d["layout"])
+    Ai, w, u = kda_triton_fwd.wy_solve_fwd(d["k"], d["v"], d["G"], d["beta"], d["Akk"], d["layout"])
     for name, got in (("Ai", Ai), ("w", w), ("u", u)):
         _check_stage(name, got, d[name])
 
 
 def test_stage_state_scan(stage_data):
     d = stage_data
-    h, v_new, ht = kda_triton_fwd._state_scan_fwd(d["k"], d["w"], d["u"], d["G"], d["h0"], True, d["layout"])
+    h, v_new, ht = kda_triton_fwd.state_scan_fwd(d["k"], d["w"], d["u"], d["G"], d["h0"], True, d["layout"])
     for name, got in (("h", h), ("v_new", v_new), ("ht", ht)):
         _check_stage(name, got, d[name])
 
 
 def test_stage_output(stage_data):
     d = stage_data
-    o = kda_triton_fwd._output_fwd(d["q"], d["G"], d["Aqk"], d["h"], d["v_new"], d["scale"], d["layout"], d["v"].dtype)
+    o = kda_triton_fwd.output_fwd(d["q"], d["G"], d["Aqk"], d["h"], d["v_new"], d["scale"], d["layout"], d["v"].dtype)
     _check_stage("o", o, d["o"])
 
 
@@ -797,7 +797,7 @@ def test_chunk_cu_seqlens_cpu_gives_the_same_result():
 def test_stage_wy_solve_chunk32():
     """chunk_size 32: the solve kernel's two-block form (row and column blocks 2, 3 masked) against its twin."""
     d = _twin_intermediates(32)
-    Ai, w, u = kda_triton_fwd._wy_solve_fwd(d["k"], d["v"], d["G"], d["beta"], d["Akk"], d["layout"])
+    Ai, w, u = kda_triton_fwd.wy_solve_fwd(d["k"], d["v"], d["G"], d["beta"], d["Akk"], d["layout"])
     for name, got in (("Ai", Ai), ("w", w), ("u", u)):
         _check_stage(name, got, d[name])
 

@@ -1,0 +1,1 @@
+../../kda_hybrid/mxfp4_ops.py

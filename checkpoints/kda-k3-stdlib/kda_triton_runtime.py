@@ -1,0 +1,1 @@
+../../kda_hybrid/kda_triton_runtime.py

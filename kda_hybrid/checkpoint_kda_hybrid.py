@@ -42,7 +42,7 @@ def carried_modules(entry: str = "modeling_kda_hybrid.py") -> tuple[str, ...]:
     """The modules a checkpoint carries: the modeling file and every sibling it imports with `from .x import`,
     recursively (what save_pretrained copies), read from this module's folder so the list never goes stale."""
     here = os.path.dirname(os.path.abspath(__file__))
-    found, todo = {"configuration_kda_hybrid.py"}, [entry]
+    found, todo = set(), [entry, "configuration_kda_hybrid.py"]  # the config's own imports are carried too
     while todo:
         name = todo.pop()
         if name in found or not os.path.exists(os.path.join(here, name)):

@@ -56,7 +56,7 @@ def k3_model(seed=0, dtype=torch.float32, **over):
 
 def k3_mxfp4_model(seed=0, **over):
     """k3_model with its routed experts as MXFP4 bytes (random weights, scaled 0.3, quantised by the reference)."""
-    from kda_hybrid.configuration_kda_hybrid import k3_quantization_config
+    from kda_hybrid.kimi_config_kda_hybrid import k3_quantization_config
     from kda_hybrid.layers_kda_hybrid import MXFP4Linear
 
     from . import k3_reference as ref

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kda_hybrid import KDAHybridConfig, KDAHybridForCausalLM
-from kda_hybrid.configuration_kda_hybrid import GENERIC_KEYS, k3_quantization_config
+from kda_hybrid.kimi_config_kda_hybrid import GENERIC_KEYS, k3_quantization_config
 from kda_hybrid.layers_kda_hybrid import MXFP4Linear
 from kda_hybrid.mxfp4_torch import dequantize_mxfp4
 

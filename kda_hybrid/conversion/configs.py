@@ -10,7 +10,7 @@ import inspect
 import json
 from pathlib import Path
 
-from ..configuration_kda_hybrid import ALIASES, KIMI_ONLY_KEYS
+from ..kimi_config_kda_hybrid import ALIASES, KIMI_ONLY_KEYS
 from .layout import FILE_KEYS, ConversionError, as_config
 
 KIMI_LINEAR, TRANSFORMERS, KDA_HYBRID, KIMI_K3 = "kimi_linear", "transformers", "kda_hybrid", "kimi_k3"
@@ -132,7 +132,7 @@ def kimi_k3_config(config, *, dtype: str | None) -> dict:
     """The K3 root config.json to write for a K3-architecture config: its text backbone as `text_config` (with the
     MXFP4 `quantization_config` when the experts are MXFP4), no vision_config (the text model has no vision
     tower; a K3 source's vision tensors are skipped and listed in the conversion record)."""
-    from ..configuration_kda_hybrid import k3_quantization_config
+    from ..kimi_config_kda_hybrid import k3_quantization_config
 
     try:
         out = config.to_kimi_k3_dict()

@@ -1,0 +1,1 @@
+../../kda_hybrid/kimi_config_kda_hybrid.py

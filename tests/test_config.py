@@ -281,43 +281,56 @@ def _one_change(kwargs):
 MUTABLE = [(b[0], *_one_change(b[1]), b[1]) for b in BAD if _one_change(b[1])]
 
 
-@pytest.mark.parametrize("base,name,value,kwargs", [m[1:] for m in MUTABLE], ids=[m[0] for m in MUTABLE])
-def test_a_field_changed_after_construction_is_refused_by_the_model_with_the_constructors_message(
-        base, name, value, kwargs, tmp_path):
-    """transformers' own common tests assign config fields after construction: a model built from such a config,
-    and save_pretrained, check every field again with the constructor's message, before any weight exists."""
+def _assign_or_build(config, name, value, tmp_path):
+    """(where, message) of the refusal of `config.name = value`: at the "assignment" when the field's own rule
+    refuses it (the config keeps its value), else (a rule between fields, a non-field) at the "model"'s
+    constructor, and the same again at save_pretrained, which writes nothing; both before any weight exists."""
     from kda_hybrid import KDAHybridForCausalLM
+    from kda_hybrid.configuration_kda_hybrid import RULES
+
+    before = repr(getattr(config, name, None))
+    try:
+        setattr(config, name, value)
+    except ValueError as err:
+        assert name in RULES, f"{name} has no rule of its own but its assignment was refused: {err}"
+        assert repr(getattr(config, name, None)) == before
+        return "assignment", str(err)
+    with pytest.raises(ValueError) as at_model:
+        KDAHybridForCausalLM(config)
+    with pytest.raises(ValueError) as at_save:
+        config.save_pretrained(tmp_path)
+    assert str(at_save.value) == str(at_model.value)
+    assert not (tmp_path / "config.json").exists()
+    return "model", str(at_model.value)
+
+
+@pytest.mark.parametrize("base,name,value,kwargs", [m[1:] for m in MUTABLE], ids=[m[0] for m in MUTABLE])
+def test_a_field_changed_after_construction_is_refused_with_the_constructors_message(
+        base, name, value, kwargs, tmp_path):
+    """transformers' own common tests assign config fields after construction: a value its field refuses is refused
+    on assignment, one that breaks a rule between fields by the model and save_pretrained, each with the
+    constructor's message."""
+    from kda_hybrid.configuration_kda_hybrid import RULES
 
     with pytest.raises(ValueError) as at_construction:
         KDAHybridConfig(**kwargs)
     config = KDAHybridConfig(**base)
-    setattr(config, name, value)
-    with pytest.raises(ValueError) as at_model:
-        KDAHybridForCausalLM(config)
-    assert str(at_model.value) == str(at_construction.value)
-    with pytest.raises(ValueError) as at_save:
-        config.save_pretrained(tmp_path)
-    assert str(at_save.value) == str(at_construction.value)
-    assert not (tmp_path / "config.json").exists()
+    where = "assignment" if name in RULES else "model"
+    assert _assign_or_build(config, name, value, tmp_path) == (where, str(at_construction.value))
 
 
-@pytest.mark.parametrize("name,value,kwargs", [
-    ("rope_parameters", {"rope_type": "dynamic", "factor": 2.0}, GQA),
-    ("rope_parameters", {"rope_type": "default"}, MLA),
-    ("num_experts_per_tok", 9, MLA),
-    ("layer_types", ["linear_attention", "linear_attention", "softmax", "full_attention"], MLA),
-    ("hidden_act", "gelu", GQA),
+@pytest.mark.parametrize("name,value,kwargs,on_assignment", [
+    ("rope_parameters", {"rope_type": "dynamic", "factor": 2.0}, GQA, False),
+    ("rope_parameters", {"rope_type": "default"}, MLA, False),
+    ("num_experts_per_tok", 9, MLA, False),
+    ("layer_types", ["linear_attention", "linear_attention", "softmax", "full_attention"], MLA, False),
+    ("hidden_act", "gelu", GQA, True),
 ], ids=["dynamic-rope", "rope-on-mla", "top-k-above-experts", "layer-type", "hidden-act"])
-def test_the_issues_mutations_are_refused_as_at_construction(name, value, kwargs):
-    from kda_hybrid import KDAHybridForCausalLM
-
+def test_the_issues_mutations_are_refused_as_at_construction(name, value, kwargs, on_assignment, tmp_path):
     with pytest.raises(ValueError) as at_construction:
         KDAHybridConfig(**{**kwargs, name: value})
-    config = KDAHybridConfig(**kwargs)
-    setattr(config, name, value)
-    with pytest.raises(ValueError) as at_model:
-        KDAHybridForCausalLM(config)
-    assert str(at_model.value) == str(at_construction.value)
+    where = "assignment" if on_assignment else "model"
+    assert _assign_or_build(KDAHybridConfig(**kwargs), name, value, tmp_path) == (where, str(at_construction.value))
 
 
 @pytest.mark.parametrize("rope", [{"rope_type": "linear", "factor": 2.0}, {"rope_type": "default", "rope_theta": 5e5}])

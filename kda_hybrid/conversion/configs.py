@@ -6,7 +6,6 @@ from it."""
 from __future__ import annotations
 
 import copy
-import inspect
 import json
 from pathlib import Path
 
@@ -61,13 +60,13 @@ def native_config(native: dict):
     transformers' native MLA never rotates (NoPE)."""
     from transformers import KimiLinearConfig  # the config module only: no modeling code, no fla
 
-    from ..configuration_kda_hybrid import KDAHybridConfig
+    from ..configuration_kda_hybrid import FIELDS
 
     try:
         full = KimiLinearConfig(**{k: v for k, v in native.items() if k not in FILE_KEYS}).to_dict()
     except (TypeError, ValueError) as err:
         raise ConversionError(f"config.json: transformers' KimiLinearConfig refuses it: {err}") from None
-    known = set(inspect.signature(KDAHybridConfig.__init__).parameters) | set(_READ_KEYS)
+    known = FIELDS | set(_READ_KEYS)
     ours = {k: v for k, v in full.items() if k in known and k not in FILE_KEYS and k != "head_dim"}
     return as_config({**ours, "mla_use_nope": True})
 

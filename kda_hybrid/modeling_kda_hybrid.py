@@ -53,6 +53,9 @@ logger = logging.get_logger(__name__)
 
 
 class KDAHybridDecoderLayer(GradientCheckpointingLayer):
+    """One layer: attention (KDA or full) and an MLP (dense or MoE, fixed at construction), each on the RMS-normed
+    residual stream and added back to it."""
+
     def __init__(self, config: KDAHybridConfig, layer_idx: int):
         super().__init__()
         self.layer_type = config.layer_types[layer_idx]
@@ -62,40 +65,29 @@ class KDAHybridDecoderLayer(GradientCheckpointingLayer):
             self.self_attn = KDAHybridMLAttention(config, layer_idx)
         else:
             self.self_attn = KDAHybridAttention(config, layer_idx)
-        if config.is_moe_layer(layer_idx):
+        self.is_moe = config.is_moe_layer(layer_idx)
+        if self.is_moe:  # the checkpoint's names: block_sparse_moe (MoE) or mlp (dense)
             self.block_sparse_moe = KDAHybridMoE(config)
         else:
             self.mlp = KDAHybridMLP(config.hidden_size, config.intermediate_size, glu_activation(config))
         self.input_layernorm = KDAHybridRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = KDAHybridRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.attn_res = config.attn_res_block_size is not None
-        if self.attn_res:  # K3 Block Attention Residuals: each sublayer reads its input from the blocks
-            self.self_attention_res_norm, self.self_attention_res_proj = attn_res_query(config)
-            self.mlp_res_norm, self.mlp_res_proj = attn_res_query(config)
 
-    def forward(self, hidden_states, blocks=None, layer_inputs: KDALayerInputs | AttentionLayerInputs = None,
-                cache=None, **kwargs):
+    @property
+    def feed_forward(self) -> nn.Module:
+        """This layer's MLP: the MoE block or the dense MLP (looked up, so a replaced submodule is the one used)."""
+        return self._modules["block_sparse_moe" if self.is_moe else "mlp"]
+
+    def forward(self, hidden_states, layer_inputs: KDALayerInputs | AttentionLayerInputs = None, cache=None,
+                **kwargs):
         """hidden_states [B, T, D] -> (hidden_states [B, T, D], attention weights or None). `layer_inputs`: this
-        layer kind's inputs, built once per forward by KDAHybridModel.forward.
-
-        With Block Attention Residuals, `blocks` [n, B, T, D] are the closed blocks (the embeddings first) and
-        hidden_states the current block's partial sum (None when this layer opens the block); the return value is
-        the partial sum with this layer's attention and MLP outputs added."""
-        if self.attn_res:
-            partial = hidden_states
-            x = attn_res_read(self.self_attention_res_norm, self.self_attention_res_proj, blocks, partial)
-            a, weights = self._attention(self.input_layernorm(x), layer_inputs, cache)
-            partial = a if partial is None else partial + a
-            x = attn_res_read(self.mlp_res_norm, self.mlp_res_proj, blocks, partial)
-            mlp = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
-            return partial + mlp(self.post_attention_layernorm(x)), weights
+        layer kind's inputs, built once per forward by KDAHybridModel.forward."""
         residual = hidden_states
         hidden_states, weights = self._attention(self.input_layernorm(hidden_states), layer_inputs, cache)
         hidden_states = residual + hidden_states
         residual = hidden_states
         hidden_states = self.post_attention_layernorm(hidden_states)
-        mlp = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
-        return residual + mlp(hidden_states), weights
+        return residual + self.feed_forward(hidden_states), weights
 
     def _attention(self, hidden_states, layer_inputs, cache):
         """This layer's attention (KDA or full) of its normed input -> (output, attention weights or None)."""
@@ -113,11 +105,37 @@ class KDAHybridDecoderLayer(GradientCheckpointingLayer):
         return hidden_states, weights
 
 
-def attn_res_query(config: KDAHybridConfig) -> tuple[KDAHybridRMSNorm, nn.Linear]:
-    """One Block Attention Residuals read's parameters: the norm weight n [D] and the query q [1, D]."""
-    query = nn.Linear(config.hidden_size, 1, bias=False)
-    query.attn_res_query = True  # _init_weights starts it at zero
-    return KDAHybridRMSNorm(config.hidden_size, eps=config.rms_norm_eps), query
+class KDAHybridBlockResidualDecoderLayer(KDAHybridDecoderLayer):
+    """A layer under K3's Block Attention Residuals: attention and MLP each read their input from the blocks (a
+    learnt softmax over the closed blocks and the open block's partial sum, `attn_res_read`) instead of the
+    running sum, and add their outputs to the open block."""
+
+    def __init__(self, config: KDAHybridConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.self_attention_res_norm = KDAHybridRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attention_res_proj = AttnResQuery(config.hidden_size)
+        self.mlp_res_norm = KDAHybridRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp_res_proj = AttnResQuery(config.hidden_size)
+
+    def forward(self, hidden_states, blocks=None, layer_inputs: KDALayerInputs | AttentionLayerInputs = None,
+                cache=None, **kwargs):
+        """`blocks` [n, B, T, D] are the closed blocks (the embeddings first) and hidden_states the current block's
+        partial sum (None when this layer opens the block); returns the partial sum with this layer's attention and
+        MLP outputs added, and the attention weights or None."""
+        partial = hidden_states
+        x = attn_res_read(self.self_attention_res_norm, self.self_attention_res_proj, blocks, partial)
+        a, weights = self._attention(self.input_layernorm(x), layer_inputs, cache)
+        partial = a if partial is None else partial + a
+        x = attn_res_read(self.mlp_res_norm, self.mlp_res_proj, blocks, partial)
+        return partial + self.feed_forward(self.post_attention_layernorm(x)), weights
+
+
+class AttnResQuery(nn.Linear):
+    """The query q [1, D] of one Block Attention Residuals read. `_init_weights` starts it at zero, so every read
+    begins as the mean of its sources (construction draws what an nn.Linear draws: seeded models stay the same)."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__(hidden_size, 1, bias=False)
 
 
 def attn_res_read(norm: KDAHybridRMSNorm, proj: nn.Linear, blocks: torch.Tensor, partial: torch.Tensor | None):
@@ -128,6 +146,48 @@ def attn_res_read(norm: KDAHybridRMSNorm, proj: nn.Linear, blocks: torch.Tensor,
     logits = proj(norm(sources)).float()  # [S, B, T, 1]
     weights = torch.softmax(logits, dim=0)
     return (weights * sources.float()).sum(0).to(sources.dtype)
+
+
+class _SumStream:
+    """The residual stream as one running sum, what each layer is called with and adds to."""
+
+    def __init__(self, embeds: torch.Tensor):
+        self.hidden = embeds
+
+    def open_layer(self, i: int) -> None:
+        """Before layer i."""
+
+    def layer_args(self) -> tuple:
+        return (self.hidden,)
+
+    def summed(self) -> torch.Tensor:
+        """The residual stream's value (output_hidden_states)."""
+        return self.hidden
+
+    def output(self, model) -> torch.Tensor:
+        return self.hidden
+
+
+class _BlockStream(_SumStream):
+    """Block Attention Residuals (K3): the closed blocks [n, B, T, D] (the embeddings are block 0) and the open
+    block's partial sum `hidden` (None right after a block closes); every `block_size` layers a block closes."""
+
+    def __init__(self, embeds: torch.Tensor, block_size: int):
+        super().__init__(None)
+        self.blocks, self.block_size = embeds[None], block_size
+
+    def open_layer(self, i: int) -> None:
+        if i > 0 and i % self.block_size == 0:  # a block closes: the next layer opens one
+            self.blocks, self.hidden = torch.cat((self.blocks, self.hidden[None])), None
+
+    def layer_args(self) -> tuple:  # positional, so that reentrant gradient checkpointing propagates through blocks
+        return (self.hidden, self.blocks)
+
+    def summed(self) -> torch.Tensor:  # every output summed so far: the residual stream's equivalent
+        return self.blocks.sum(0) + self.hidden
+
+    def output(self, model) -> torch.Tensor:  # the final read over every block, before the norm
+        return attn_res_read(model.output_attn_res_norm, model.output_attn_res_proj, self.blocks, self.hidden)
 
 
 def _column_major(w: torch.Tensor) -> bool:
@@ -145,7 +205,7 @@ class KDAHybridPreTrainedModel(PreTrainedModel):
     config: KDAHybridConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
-    _no_split_modules = ["KDAHybridDecoderLayer"]
+    _no_split_modules = ["KDAHybridDecoderLayer", "KDAHybridBlockResidualDecoderLayer"]
     _supports_sdpa = True
     _supports_flash_attn = False
     _supports_attention_backend = True
@@ -224,7 +284,7 @@ class KDAHybridPreTrainedModel(PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module):
         std = self.config.initializer_range
-        if isinstance(module, nn.Linear) and getattr(module, "attn_res_query", False):
+        if isinstance(module, AttnResQuery):
             module.weight.zero_()  # AttnRes queries start at zero: every read begins as the mean of its sources
         elif isinstance(module, nn.Linear):
             module.weight.normal_(0.0, std)
@@ -283,9 +343,12 @@ class KDAHybridModel(KDAHybridPreTrainedModel):
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
-        self.layers = nn.ModuleList(KDAHybridDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        if config.attn_res_block_size is not None:  # the final read over every block, before the norm
-            self.output_attn_res_norm, self.output_attn_res_proj = attn_res_query(config)
+        block_residuals = config.attn_res_block_size is not None
+        layer = KDAHybridBlockResidualDecoderLayer if block_residuals else KDAHybridDecoderLayer
+        self.layers = nn.ModuleList(layer(config, i) for i in range(config.num_hidden_layers))
+        if block_residuals:  # the final read over every block, before the norm
+            self.output_attn_res_norm = KDAHybridRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            self.output_attn_res_proj = AttnResQuery(config.hidden_size)
         self.norm = KDAHybridRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = KDAHybridRotaryEmbedding(config) if config.attention_type == "gqa" else None
         self.gradient_checkpointing = False
@@ -357,33 +420,28 @@ class KDAHybridModel(KDAHybridPreTrainedModel):
                                                      cu_seqlens, padded, output_attentions),
         }
 
-        hidden_states = inputs_embeds
-        all_hidden = (hidden_states,) if output_hidden_states else None
+        all_hidden = (inputs_embeds,) if output_hidden_states else None
         all_attentions = () if output_attentions else None
-        block_size = self.config.attn_res_block_size
-        if block_size is not None:  # Block Attention Residuals: the embeddings are block 0; hidden_states the partial
+        if self.config.attn_res_block_size is None:
+            stream = _SumStream(inputs_embeds)
+        else:
             if token_mask is not None:
                 inputs_embeds = torch.where(token_mask[..., None], inputs_embeds, 0)
-            blocks, hidden_states = inputs_embeds[None], None
+            stream = _BlockStream(inputs_embeds, self.config.attn_res_block_size)
         # the layer kind from the config, not from the layer: pipeline parallelism swaps the layers another stage runs
         # for identity layers, which return the hidden states alone
         for i, (layer, kind) in enumerate(zip(self.layers, self.config.layer_types)):
-            if block_size is not None and i > 0 and i % block_size == 0:  # a block closes: the next layer opens one
-                blocks, hidden_states = torch.cat((blocks, hidden_states[None])), None
-            if token_mask is not None and hidden_states is not None:
+            stream.open_layer(i)
+            if token_mask is not None and stream.hidden is not None:
                 # padding enters no layer with its values (NaN, inf): selected, not multiplied
-                hidden_states = torch.where(token_mask[..., None], hidden_states, 0)
-            if block_size is None:
-                out = layer(hidden_states, layer_inputs=layer_inputs[kind], cache=cache)
-            else:  # positional, so that reentrant gradient checkpointing propagates through the blocks
-                out = layer(hidden_states, blocks, layer_inputs=layer_inputs[kind], cache=cache)
-            hidden_states, weights = out if isinstance(out, tuple) else (out, None)
-            if output_hidden_states:  # under AttnRes: the residual stream's equivalent, every output summed so far
-                all_hidden += (hidden_states if block_size is None else blocks.sum(0) + hidden_states,)
+                stream.hidden = torch.where(token_mask[..., None], stream.hidden, 0)
+            out = layer(*stream.layer_args(), layer_inputs=layer_inputs[kind], cache=cache)
+            stream.hidden, weights = out if isinstance(out, tuple) else (out, None)
+            if output_hidden_states:
+                all_hidden += (stream.summed(),)
             if output_attentions and kind == "full_attention":  # one entry per attention layer, as transformers'
                 all_attentions += (weights,)                       # hybrids (kimi_linear, qwen3_next) record them
-        if block_size is not None:
-            hidden_states = attn_res_read(self.output_attn_res_norm, self.output_attn_res_proj, blocks, hidden_states)
+        hidden_states = stream.output(self)
         hidden_states = self.norm(hidden_states)
         if output_hidden_states:  # the last entry is the normed output, as in transformers' models
             all_hidden = all_hidden[:-1] + (hidden_states,)

@@ -32,7 +32,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from .cache_layers_kda_hybrid import KDAHybridCacheLayer, KDALayerState, KVLayerState, kv_shapes
-from .fingerprint_kda_hybrid import extend_fingerprint
+from .fingerprint_kda_hybrid import TokenFingerprint
 
 
 def _as_int(name: str, value) -> int:
@@ -81,11 +81,7 @@ class KDAHybridCache(Cache):
         self.layer_types = list(config.layer_types)
         self._seen_tokens = 0
         self._record_past = False
-        # Fingerprint of the consumed token ids, [B, 2] int64 (None: no tokens yet); unknown once a forward came
-        # with inputs_embeds or a crop went past what was recorded
-        self._fingerprint: torch.Tensor | None = None
-        self._fingerprint_known = True
-        self._fingerprint_records: list[tuple[torch.Tensor, torch.Tensor]] = []  # (before [B, 2], ids [B, T])
+        self.fingerprint = TokenFingerprint()  # of the consumed token ids: refuses another prompt's cache
         self._staged_ids: torch.Tensor | None = None  # the running forward's input_ids, hashed by advance()
 
     # ---- checks at the model boundary ------------------------------------------------------------------
@@ -145,12 +141,9 @@ class KDAHybridCache(Cache):
                 f"the {L} cached tokens followed by at least one new token ([B, {L} + new]), or a new cache"
             )
         self.check_compatible(self.config, input_ids.shape[0])
-        if not self._fingerprint_known:
-            return  # the cache consumed inputs_embeds or was cropped past its records: nothing to compare with
-        got = extend_fingerprint(torch.zeros(input_ids.shape[0], 2, dtype=torch.int64), input_ids[:, :L])
-        bad = (got.to(self._fingerprint.device) != self._fingerprint).any(-1)
-        if bool(bad.any()):
-            rows = bad.nonzero().flatten().tolist()
+        # (nothing to compare with when the cache consumed inputs_embeds or was cropped past its records)
+        rows = self.fingerprint.differing_rows(input_ids[:, :L])
+        if rows:
             raise ValueError(
                 f"input_ids[:, :{L}] are not the {L} tokens this cache holds (rows {rows} differ): to continue a "
                 "conversation pass the previous sequences (generate()'s output) followed by the new tokens; for "
@@ -190,23 +183,16 @@ class KDAHybridCache(Cache):
         kda = [layer for layer in self.layers if isinstance(layer, KDALayerState)]
         self._record_past = not kda or any(layer.record_past for layer in kda)
         if not self._record_past:
-            self._fingerprint_records = []
+            self.fingerprint.records = []
         return self._record_past
 
     def advance(self, num_tokens: int):
         """Called by the model once per forward, after every layer has consumed its tokens."""
         ids, self._staged_ids = self._staged_ids, None
         if ids is None or ids.dim() != 2 or ids.shape[1] != num_tokens or ids.is_floating_point():
-            self._fingerprint_known = False
-            self._fingerprint = None
-            self._fingerprint_records = []
-        elif self._fingerprint_known:
-            before = self._fingerprint
-            if before is None:
-                before = torch.zeros(ids.shape[0], 2, dtype=torch.int64, device=ids.device)
-            self._fingerprint = extend_fingerprint(before, ids)
-            if self._recording():
-                self._fingerprint_records.append((before, ids.detach().clone()))
+            self.fingerprint.forget()
+        else:
+            self.fingerprint.extend(ids, record=self.fingerprint.known and self._recording())
         self._seen_tokens += num_tokens
 
     def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
@@ -371,7 +357,7 @@ class KDAHybridCache(Cache):
         for layer in self.layers:
             layer.reset()
         self._seen_tokens = 0
-        self._fingerprint, self._fingerprint_known, self._fingerprint_records = None, True, []
+        self.fingerprint.reset()
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last `-tokens_to_remove` tokens (transformers 5 convention: a count <= 0). Checks every
@@ -387,26 +373,8 @@ class KDAHybridCache(Cache):
             layer.check_crop(n)
         for layer in self.layers:
             layer.crop(n)
-        self._crop_fingerprint(n)
+        self.fingerprint.crop(n, remaining=self._seen_tokens + n)
         self._seen_tokens += n
-
-    def _crop_fingerprint(self, n: int):
-        records, self._fingerprint_records = self._fingerprint_records, []
-        if self._seen_tokens + n == 0:
-            self._fingerprint, self._fingerprint_known = None, True
-            return
-        if not n or not self._fingerprint_known:
-            return
-        if -n > sum(ids.shape[1] for _, ids in records):  # not recorded: the remaining tokens' hash is unknown
-            self._fingerprint, self._fingerprint_known = None, False
-            return
-        while n:
-            before, ids = records.pop()
-            T = ids.shape[1]
-            if -n >= T:
-                self._fingerprint, n = before, n + T
-            else:
-                self._fingerprint, n = extend_fingerprint(before, ids[:, : T + n]), 0
 
     def _check_indices(self, name: str, indices, one_per_row: bool) -> torch.Tensor:
         if not isinstance(indices, torch.Tensor):
@@ -428,9 +396,7 @@ class KDAHybridCache(Cache):
     def _map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]):
         for layer in self.layers:
             layer.map_tensors(fn)
-        if self._fingerprint is not None:
-            self._fingerprint = fn(self._fingerprint)
-        self._fingerprint_records = [(fn(before), fn(ids)) for before, ids in self._fingerprint_records]
+        self.fingerprint.map_rows(fn)
 
     def reorder_cache(self, beam_idx: torch.LongTensor):
         """Row b becomes old row beam_idx[b] (beam search): one index per cached row."""
@@ -459,7 +425,7 @@ class KDAHybridCache(Cache):
         if self._seen_tokens and self.batch_size > 0:
             per_token = kv // (self._seen_tokens * self.batch_size)
         kv_allocated = sum(layer.allocated_bytes() for layer in self.layers if isinstance(layer, KVLayerState))
-        fingerprint = 0 if self._fingerprint is None else self._fingerprint.numel() * 8
+        fingerprint = self.fingerprint.nbytes()
         return {
             "tokens": self._seen_tokens,
             "attention_kv_allocated_bytes": kv_allocated,  # includes the growth headroom of the KV buffers

@@ -1,5 +1,6 @@
 """The token fingerprint a `KDAHybridCache` keeps: what lets `generate()` refuse a cache that does not hold the
-start of the `input_ids` it is given (docs/architecture.md §8).
+start of the `input_ids` it is given (docs/architecture.md §8). `TokenFingerprint` is the cache's whole state
+machine for it (extend, compare, roll back on crop, follow batch reordering); `extend_fingerprint` the hash.
 
 Two 31-bit polynomial hashes per row, 16 bytes per sequence whatever the context length:
 
@@ -54,4 +55,66 @@ def extend_fingerprint(h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return h
 
 
-__all__ = ["extend_fingerprint"]
+class TokenFingerprint:
+    """The fingerprint of the token ids a cache consumed: `value` [B, 2] int64 (None: no tokens yet), `known`
+    (False once a forward came with inputs_embeds or a crop went past what was recorded: nothing to compare with),
+    and while past recording is on, `records` (before [B, 2], ids [B, T]) per forward, what crop() rolls back."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.value, self.known, self.records = None, True, []
+
+    def forget(self) -> None:
+        """The tokens are no longer known (inputs_embeds, or ids that are not [B, T] integers)."""
+        self.value, self.known, self.records = None, False, []
+
+    def extend(self, ids: torch.Tensor, record: bool) -> None:
+        """Add a forward's ids [B, T]; with `record`, keep what crop() needs to take them back."""
+        if not self.known:
+            return
+        before = self.value
+        if before is None:
+            before = torch.zeros(ids.shape[0], 2, dtype=torch.int64, device=ids.device)
+        self.value = extend_fingerprint(before, ids)
+        if record:
+            self.records.append((before, ids.detach().clone()))
+
+    def differing_rows(self, ids: torch.Tensor) -> list[int]:
+        """Rows of ids [B, L] that are not the tokens consumed ([] when they are, or when unknown)."""
+        if not self.known or self.value is None:
+            return []
+        got = extend_fingerprint(torch.zeros(ids.shape[0], 2, dtype=torch.int64), ids)
+        return (got.to(self.value.device) != self.value).any(-1).nonzero().flatten().tolist()
+
+    def crop(self, n: int, remaining: int) -> None:
+        """Take back the last -n tokens (n <= 0), `remaining` tokens being left; unknown when not recorded."""
+        records, self.records = self.records, []
+        if remaining == 0:
+            self.value, self.known = None, True
+            return
+        if not n or not self.known:
+            return
+        if -n > sum(ids.shape[1] for _, ids in records):  # not recorded: the remaining tokens' hash is unknown
+            self.value, self.known = None, False
+            return
+        while n:
+            before, ids = records.pop()
+            T = ids.shape[1]
+            if -n >= T:
+                self.value, n = before, n + T
+            else:
+                self.value, n = extend_fingerprint(before, ids[:, : T + n]), 0
+
+    def map_rows(self, fn) -> None:
+        """Apply a batch reordering / selection `fn` to every row-indexed tensor."""
+        if self.value is not None:
+            self.value = fn(self.value)
+        self.records = [(fn(before), fn(ids)) for before, ids in self.records]
+
+    def nbytes(self) -> int:
+        return 0 if self.value is None else self.value.numel() * 8
+
+
+__all__ = ["TokenFingerprint", "extend_fingerprint"]

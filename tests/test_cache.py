@@ -67,8 +67,8 @@ def snapshot(cache: KDAHybridCache):
             segments = [[getattr(seg, f.name) for f in dataclasses.fields(seg)] for seg in layer.segments]
             layers.append(("kda", layer.record_past, [t.clone() for t in layer.tensors()],
                            copy.deepcopy(segments)))
-    return dict(seen=cache.get_seq_length(), layers=layers, fingerprint=copy.deepcopy(cache._fingerprint),
-                known=cache._fingerprint_known, records=copy.deepcopy(cache._fingerprint_records))
+    return dict(seen=cache.get_seq_length(), layers=layers, fingerprint=copy.deepcopy(cache.fingerprint.value),
+                known=cache.fingerprint.known, records=copy.deepcopy(cache.fingerprint.records))
 
 
 def assert_same(a, b, where="cache"):
@@ -302,7 +302,7 @@ def test_fingerprint_follows_crop_exactly(model):
         cache.crop(-5)
         for a, b in ((0, 4), (4, 5), (5, 9)):  # other chunking: the hash is of the tokens, not of the calls
             model(ids[:, a:b], cache=fresh)
-    assert torch.equal(cache._fingerprint, fresh._fingerprint)
+    assert torch.equal(cache.fingerprint.value, fresh.fingerprint.value)
     cache.check_generation_inputs(ids[:, :10], next_sequence_length=1, is_first_iteration=True)
     wrong = ids[:, :10].clone()
     wrong[1, 8] = (wrong[1, 8] + 1) % VOCAB
@@ -562,14 +562,14 @@ def test_recording_stops_when_generate_clears_the_layer_flags():
     with torch.no_grad():
         cache.activate_past_recording()
         model(ids[:, :6], cache=cache)
-        assert cache.is_croppable and len(cache._fingerprint_records) == 1
+        assert cache.is_croppable and len(cache.fingerprint.records) == 1
         for layer in cache.layers:
             layer.record_past = False
         for t in range(6, 12):
             model(ids[:, t : t + 1], cache=cache)
         model(ids, cache=ref)
-    assert not cache.is_croppable and cache._fingerprint_records == []
-    assert torch.equal(cache._fingerprint, ref._fingerprint)
+    assert not cache.is_croppable and cache.fingerprint.records == []
+    assert torch.equal(cache.fingerprint.value, ref.fingerprint.value)
 
 
 def test_crop_without_recording_is_a_clear_error():

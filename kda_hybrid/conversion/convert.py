@@ -8,7 +8,7 @@ import json
 import logging
 import shutil
 from collections import Counter, defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -203,6 +203,58 @@ def convert_state_dict(tensors: Mapping[str, torch.Tensor] | list[Mapping[str, t
     return sink.close()
 
 
+def _check_arguments(source, target, overwrite, progress, router_weights_from_biased_scores) -> None:
+    if target not in TARGET_FORMATS:
+        raise ConversionError(f"target: expected one of {TARGET_FORMATS}, got {target!r}")
+    if source is not None and source not in SOURCE_FORMATS:
+        raise ConversionError(f"source: expected one of {SOURCE_FORMATS}, got {source!r}")
+    for name, flag in (("overwrite", overwrite), ("progress", progress)):
+        if not isinstance(flag, bool):
+            raise ConversionError(f"{name}: expected True or False, got {flag!r}")
+    if router_weights_from_biased_scores is not None and not isinstance(router_weights_from_biased_scores, bool):
+        raise ConversionError("router_weights_from_biased_scores: expected True, False or None, got "
+                              f"{router_weights_from_biased_scores!r}")
+
+
+def _ours_config(parsed, *, biased, dtype, **_):
+    return kda_hybrid_config(parsed, router_weights_from_biased_scores=biased, dtype=dtype)
+
+
+def _kimi_linear_config(parsed, *, raw, source_format, biased, dtype):
+    if not biased:
+        logger.warning("the original Kimi-Linear remote code gathers router weights from the bias-corrected "
+                       "scores; this model was used with unbiased weights (transformers/vLLM). Outputs of the "
+                       "original code will differ; transformers' native class matches.")
+    return kimi_linear_config(parsed, source_config=raw, source_format=source_format, dtype=dtype)
+
+
+def _kimi_k3_config(parsed, *, biased, dtype, **_):
+    if biased:
+        logger.warning("K3's reference code gathers router weights from the unbiased scores; this model was "
+                       "used with weights from the biased scores, so K3 engines will route it differently")
+    return kimi_k3_config(parsed, dtype=dtype)
+
+
+def _write_json_config(config: dict, folder: Path) -> None:
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+@dataclass(frozen=True)
+class FolderTarget:
+    """What a folder layout `convert()` writes needs: which models it takes (`k3`: True K3 only, False Kimi Linear
+    only, None both; `refusal` says why otherwise), its config (built before any tensor is written), the export
+    dtypes its release uses, the sink its tensors go through, how its config is written, whether the package's
+    code travels with it."""
+
+    config: Callable
+    write_config: Callable
+    k3: bool | None = None
+    refusal: str = ""
+    export_dtypes: Callable | None = None
+    sink: Callable | None = None  # (writer, parsed config) -> what execute() writes through; None: the writer itself
+    carries_code: bool = False
+
+
 def convert(src, dst, *, source: str | None = None, target: str = KDA_HYBRID, dtype=None,
             max_shard_size: int | str = "5GB", overwrite: bool = False,
             router_weights_from_biased_scores: bool | None = None, layer_types: str | None = None,
@@ -233,16 +285,7 @@ def convert(src, dst, *, source: str | None = None, target: str = KDA_HYBRID, dt
     the source, a folder inside it or a folder containing it.
     """
     src, dst = Path(src), Path(dst)
-    if target not in TARGET_FORMATS:
-        raise ConversionError(f"target: expected one of {TARGET_FORMATS}, got {target!r}")
-    if source is not None and source not in SOURCE_FORMATS:
-        raise ConversionError(f"source: expected one of {SOURCE_FORMATS}, got {source!r}")
-    for name, flag in (("overwrite", overwrite), ("progress", progress)):
-        if not isinstance(flag, bool):
-            raise ConversionError(f"{name}: expected True or False, got {flag!r}")
-    if router_weights_from_biased_scores is not None and not isinstance(router_weights_from_biased_scores, bool):
-        raise ConversionError("router_weights_from_biased_scores: expected True, False or None, got "
-                              f"{router_weights_from_biased_scores!r}")
+    _check_arguments(source, target, overwrite, progress, router_weights_from_biased_scores)
     cast = _resolve_dtype(dtype)
     max_bytes = parse_size(max_shard_size)
     gguf = find_gguf(src)
@@ -290,39 +333,21 @@ def convert(src, dst, *, source: str | None = None, target: str = KDA_HYBRID, dt
     if target == GGUF:
         return _convert_to_gguf(src, dst, dst_real, parsed, arch, plan, reader, cast=cast, overwrite=overwrite,
                                 progress=progress)
-    if target == KIMI_LINEAR and parsed.uses_k3_features:
-        raise ConversionError(f"target: a Kimi K3 model has no Kimi Linear layout; write it as {KIMI_K3!r} or "
-                              f"{KDA_HYBRID!r}, got {target!r}")
-    if target == KIMI_K3 and not parsed.uses_k3_features:
-        raise ConversionError(f"target: this is a Kimi Linear model (no K3 feature is on); write it as "
-                              f"{KIMI_LINEAR!r} or {KDA_HYBRID!r}, got {target!r}")
+    fmt = FOLDER_TARGETS[target]
+    if fmt.k3 is not None and fmt.k3 != parsed.uses_k3_features:
+        raise ConversionError(f"target: {fmt.refusal}, got {target!r}")
     # Build the output config before writing anything: a config problem must not cost a full conversion.
-    if target == KDA_HYBRID:
-        config = kda_hybrid_config(parsed, router_weights_from_biased_scores=biased, dtype=dtype_name)
-    elif target == KIMI_K3:
-        config = kimi_k3_config(parsed, dtype=dtype_name)
-        if biased:
-            logger.warning("K3's reference code gathers router weights from the unbiased scores; this model was "
-                           "used with weights from the biased scores, so K3 engines will route it differently")
-        _k3_export_dtypes(plan)
-    else:
-        config = kimi_linear_config(parsed, source_config=raw, source_format=source_format, dtype=dtype_name)
-        if not biased:
-            logger.warning("the original Kimi-Linear remote code gathers router weights from the bias-corrected "
-                           "scores; this model was used with unbiased weights (transformers/vLLM). Outputs of the "
-                           "original code will differ; transformers' native class matches.")
-
+    config = fmt.config(parsed, raw=raw, source_format=source_format, biased=biased, dtype=dtype_name)
+    if fmt.export_dtypes is not None:
+        fmt.export_dtypes(plan)
     carried = _files_to_carry(src, same_format=source_format == target)
-    code = _code_files() if target == KDA_HYBRID else []
+    code = _code_files() if fmt.carries_code else []
 
     def fill(folder: Path) -> None:
         writer = ShardWriter(folder, max_bytes)
-        execute(plan, reader, _K3Sink(writer, parsed) if target == KIMI_K3 else writer, progress=progress)
+        execute(plan, reader, writer if fmt.sink is None else fmt.sink(writer, parsed), progress=progress)
         writer.close()
-        if target == KDA_HYBRID:
-            write_checkpoint_metadata(config, folder)
-        else:
-            (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        fmt.write_config(config, folder)
 
     manifest = {"source": src.name, "source_format": source_format, "target": target, "dtype": dtype_name}
     if skipped:  # K3's vision side: not part of the text model, listed so that nothing disappears unrecorded
@@ -491,6 +516,18 @@ class _K3Sink:
             values = tensor.reshape(-1)
             tensor = torch.cat([values, values.new_zeros(self.length - values.numel())])
         self.sink.add(K3_TEXT_PREFIX + name, tensor)
+
+
+FOLDER_TARGETS = {
+    KDA_HYBRID: FolderTarget(_ours_config, write_checkpoint_metadata, carries_code=True),
+    KIMI_LINEAR: FolderTarget(_kimi_linear_config, _write_json_config, k3=False,
+                              refusal=f"a Kimi K3 model has no Kimi Linear layout; write it as {KIMI_K3!r} or "
+                                      f"{KDA_HYBRID!r}"),
+    KIMI_K3: FolderTarget(_kimi_k3_config, _write_json_config, k3=True,
+                          refusal=f"this is a Kimi Linear model (no K3 feature is on); write it as {KIMI_LINEAR!r} "
+                                  f"or {KDA_HYBRID!r}",
+                          export_dtypes=_k3_export_dtypes, sink=_K3Sink),
+}
 
 
 class _PatchingSink:

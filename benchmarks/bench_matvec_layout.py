@@ -4,6 +4,7 @@
 best of --repeats passes over enough copies of the matrix to exceed the caches.
 
     python benchmarks/bench_matvec_layout.py
+    python benchmarks/bench_matvec_layout.py --shapes 576x576 1728x576 1536x576 3072x576   # fused q|k|v, gate|up
 """
 
 from __future__ import annotations
@@ -31,12 +32,20 @@ def rate(weights: list[torch.Tensor], x: torch.Tensor, repeats: int) -> float:
 
 
 def main():
-    args = benchmark_parser(__doc__, repeats=5).parse_args()
+    parser = benchmark_parser(__doc__, repeats=5)
+    parser.add_argument("--shapes", nargs="+", metavar="OUTxIN", help="matrix shapes (default: the models' own)")
+    args = parser.parse_args()
+    try:
+        shapes = [tuple(int(n) for n in s.lower().split("x")) for s in args.shapes] if args.shapes else SHAPES
+    except ValueError:
+        parser.error(f"--shapes takes OUTxIN pairs such as 576x1536, got {args.shapes}")
+    if any(len(s) != 2 or min(s) < 1 for s in shapes):
+        parser.error(f"--shapes takes OUTxIN pairs of positive sizes, got {args.shapes}")
     report = Report(args)
     report.print("| out x in | MB | usual layout GB/s | column-major GB/s | column-major / usual |")
     report.print("|---|---|---|---|---|")
     rows = []
-    for out, inp in SHAPES:
+    for out, inp in shapes:
         copies = max(1, CACHE_BYTES // (out * inp * 4))
         usual = [torch.randn(out, inp) for _ in range(copies)]
         column = [w.t().contiguous().t() for w in usual]

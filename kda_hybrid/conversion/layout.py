@@ -90,15 +90,9 @@ def kimi_inventory(cfg) -> dict[str, Spec]:
         raise ConversionError("config.json: attention_type='gqa' has no Kimi Linear equivalent")
     if config.attention_bias:
         raise ConversionError("config.json: attention_bias=True has no Kimi Linear equivalent")
-    attn, mlp = layer_kinds(config)
     D, vocab = config.hidden_size, config.vocab_size
-    H, K, conv = config.linear_num_heads, config.linear_head_dim, config.linear_conv_kernel_size  # K = V
-    n_heads = config.num_attention_heads
-    nope, rope, v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
-    kv_rank, q_rank = config.kv_lora_rank, config.q_lora_rank
-
     inv: dict[str, Spec] = {"model.embed_tokens.weight": Spec((vocab, D))}
-    for i, (attn_kind, mlp_kind) in enumerate(zip(attn, mlp)):
+    for i, (attn_kind, mlp_kind) in enumerate(zip(*layer_kinds(config))):
         p = f"model.layers.{i}."
         inv[p + "input_layernorm.weight"] = Spec((D,))
         inv[p + "post_attention_layernorm.weight"] = Spec((D,))
@@ -106,71 +100,89 @@ def kimi_inventory(cfg) -> dict[str, Spec]:
             for read in ("self_attention_res", "mlp_res"):
                 inv[p + f"{read}_norm.weight"] = Spec((D,))
                 inv[p + f"{read}_proj.weight"] = Spec((1, D))
-        a = p + "self_attn."
-        if attn_kind == KDA:
-            for x in "qkv":
-                inv[a + f"{x}_proj.weight"] = Spec((H * K, D))
-            for x in "qkv":
-                inv[a + f"{x}_conv1d.weight"] = Spec((H * K, 1, conv))
-            inv[a + "A_log"] = Spec((1, 1, H, 1), fp32=True)
-            inv[a + "dt_bias"] = Spec((H * K,), fp32=True)
-            inv[a + "f_a_proj.weight"] = Spec((K, D))
-            inv[a + "f_b_proj.weight"] = Spec((H * K, K))
-            inv[a + "b_proj.weight"] = Spec((H, D))
-            if config.use_full_rank_gate:  # K3
-                inv[a + "g_proj.weight"] = Spec((H * K, D))
-            else:
-                inv[a + "g_a_proj.weight"] = Spec((K, D))
-                inv[a + "g_b_proj.weight"] = Spec((H * K, K))
-            inv[a + "o_norm.weight"] = Spec((K,))
-            inv[a + "o_proj.weight"] = Spec((D, H * K))
-        else:
-            if q_rank is None:
-                inv[a + "q_proj.weight"] = Spec((n_heads * (nope + rope), D))
-            else:
-                inv[a + "q_a_proj.weight"] = Spec((q_rank, D))
-                inv[a + "q_a_layernorm.weight"] = Spec((q_rank,))
-                inv[a + "q_b_proj.weight"] = Spec((n_heads * (nope + rope), q_rank))
-            inv[a + "kv_a_proj_with_mqa.weight"] = Spec((kv_rank + rope, D))
-            inv[a + "kv_a_layernorm.weight"] = Spec((kv_rank,))
-            inv[a + "kv_b_proj.weight"] = Spec((n_heads * (nope + v_dim), kv_rank))
-            if config.mla_use_output_gate:  # K3
-                inv[a + "g_proj.weight"] = Spec((n_heads * v_dim, D))
-            inv[a + "o_proj.weight"] = Spec((D, n_heads * v_dim))
+        attention = _kda_tensors if attn_kind == KDA else _mla_tensors
+        inv.update(attention(config, p + "self_attn."))
         if mlp_kind == DENSE:
-            inter = config.intermediate_size
-            inv[p + "mlp.gate_proj.weight"] = Spec((inter, D))
-            inv[p + "mlp.up_proj.weight"] = Spec((inter, D))
-            inv[p + "mlp.down_proj.weight"] = Spec((D, inter))
+            inv.update(_dense_tensors(config, p + "mlp."))
         else:
-            E, inter = config.num_experts, config.moe_intermediate_size
-            m = p + "block_sparse_moe."
-            inv[m + "gate.weight"] = Spec((E, D), no_downcast=True)
-            inv[m + "gate.e_score_correction_bias"] = Spec((E,), fp32=True)
-            width = config.routed_expert_hidden_size or D  # K3 latent MoE: the experts' width
-            for e in range(E):
-                for w, (out_dim, in_dim) in (("w1", (inter, width)), ("w2", (width, inter)), ("w3", (inter, width))):
-                    if config.expert_quantization == "mxfp4":  # K3: E2M1 pairs and one E8M0 scale per 32 inputs
-                        inv[m + f"experts.{e}.{w}.weight_packed"] = Spec((out_dim, in_dim // 2), quantized=True)
-                        inv[m + f"experts.{e}.{w}.weight_scale"] = Spec((out_dim, in_dim // 32), quantized=True)
-                    else:
-                        inv[m + f"experts.{e}.{w}.weight"] = Spec((out_dim, in_dim))
-            if config.routed_expert_hidden_size is not None:
-                inv[m + "routed_expert_down_proj.weight"] = Spec((width, D))
-                if config.latent_moe_use_norm:
-                    inv[m + "routed_expert_norm.weight"] = Spec((width,))
-                inv[m + "routed_expert_up_proj.weight"] = Spec((D, width))
-            shared = inter * config.n_shared_experts
-            if shared:
-                inv[m + "shared_experts.gate_proj.weight"] = Spec((shared, D))
-                inv[m + "shared_experts.up_proj.weight"] = Spec((shared, D))
-                inv[m + "shared_experts.down_proj.weight"] = Spec((D, shared))
+            inv.update(_moe_tensors(config, p + "block_sparse_moe."))
     inv["model.norm.weight"] = Spec((D,))
     if config.attn_res_block_size is not None:  # the final read, before the norm (listed after it, as released)
         inv["model.output_attn_res_norm.weight"] = Spec((D,))
         inv["model.output_attn_res_proj.weight"] = Spec((1, D))
     if not config.tie_word_embeddings:
         inv["lm_head.weight"] = Spec((vocab, D))
+    return inv
+
+
+def _kda_tensors(config, a: str) -> dict[str, Spec]:
+    D, H, K = config.hidden_size, config.linear_num_heads, config.linear_head_dim  # K = V
+    conv = config.linear_conv_kernel_size
+    inv = {a + f"{x}_proj.weight": Spec((H * K, D)) for x in "qkv"}
+    inv.update({a + f"{x}_conv1d.weight": Spec((H * K, 1, conv)) for x in "qkv"})
+    inv[a + "A_log"] = Spec((1, 1, H, 1), fp32=True)
+    inv[a + "dt_bias"] = Spec((H * K,), fp32=True)
+    inv[a + "f_a_proj.weight"] = Spec((K, D))
+    inv[a + "f_b_proj.weight"] = Spec((H * K, K))
+    inv[a + "b_proj.weight"] = Spec((H, D))
+    if config.use_full_rank_gate:  # K3
+        inv[a + "g_proj.weight"] = Spec((H * K, D))
+    else:
+        inv[a + "g_a_proj.weight"] = Spec((K, D))
+        inv[a + "g_b_proj.weight"] = Spec((H * K, K))
+    inv[a + "o_norm.weight"] = Spec((K,))
+    inv[a + "o_proj.weight"] = Spec((D, H * K))
+    return inv
+
+
+def _mla_tensors(config, a: str) -> dict[str, Spec]:
+    D, n_heads = config.hidden_size, config.num_attention_heads
+    q_rank, kv_rank = config.q_lora_rank, config.kv_lora_rank
+    nope, rope, v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+    inv = {}
+    if q_rank is None:
+        inv[a + "q_proj.weight"] = Spec((n_heads * (nope + rope), D))
+    else:
+        inv[a + "q_a_proj.weight"] = Spec((q_rank, D))
+        inv[a + "q_a_layernorm.weight"] = Spec((q_rank,))
+        inv[a + "q_b_proj.weight"] = Spec((n_heads * (nope + rope), q_rank))
+    inv[a + "kv_a_proj_with_mqa.weight"] = Spec((kv_rank + rope, D))
+    inv[a + "kv_a_layernorm.weight"] = Spec((kv_rank,))
+    inv[a + "kv_b_proj.weight"] = Spec((n_heads * (nope + v_dim), kv_rank))
+    if config.mla_use_output_gate:  # K3
+        inv[a + "g_proj.weight"] = Spec((n_heads * v_dim, D))
+    inv[a + "o_proj.weight"] = Spec((D, n_heads * v_dim))
+    return inv
+
+
+def _dense_tensors(config, m: str) -> dict[str, Spec]:
+    D, inter = config.hidden_size, config.intermediate_size
+    return {m + "gate_proj.weight": Spec((inter, D)), m + "up_proj.weight": Spec((inter, D)),
+            m + "down_proj.weight": Spec((D, inter))}
+
+
+def _moe_tensors(config, m: str) -> dict[str, Spec]:
+    D, E, inter = config.hidden_size, config.num_experts, config.moe_intermediate_size
+    inv = {m + "gate.weight": Spec((E, D), no_downcast=True),
+           m + "gate.e_score_correction_bias": Spec((E,), fp32=True)}
+    width = config.routed_expert_hidden_size or D  # K3 latent MoE: the experts' width
+    for e in range(E):
+        for w, (out_dim, in_dim) in (("w1", (inter, width)), ("w2", (width, inter)), ("w3", (inter, width))):
+            if config.expert_quantization == "mxfp4":  # K3: E2M1 pairs and one E8M0 scale per 32 inputs
+                inv[m + f"experts.{e}.{w}.weight_packed"] = Spec((out_dim, in_dim // 2), quantized=True)
+                inv[m + f"experts.{e}.{w}.weight_scale"] = Spec((out_dim, in_dim // 32), quantized=True)
+            else:
+                inv[m + f"experts.{e}.{w}.weight"] = Spec((out_dim, in_dim))
+    if config.routed_expert_hidden_size is not None:
+        inv[m + "routed_expert_down_proj.weight"] = Spec((width, D))
+        if config.latent_moe_use_norm:
+            inv[m + "routed_expert_norm.weight"] = Spec((width,))
+        inv[m + "routed_expert_up_proj.weight"] = Spec((D, width))
+    shared = inter * config.n_shared_experts
+    if shared:
+        s = m + "shared_experts."
+        inv.update({s + "gate_proj.weight": Spec((shared, D)), s + "up_proj.weight": Spec((shared, D)),
+                    s + "down_proj.weight": Spec((D, shared))})
     return inv
 
 

@@ -308,6 +308,10 @@ def fit(args, build_model, *, loss_fn=None) -> dict:
     if step == args.steps:
         save_final(accelerator, model, model_cls, args, out / "final")
     accelerator.wait_for_everyone()
+    # the process group goes before the interpreter exits: torchrun children that left gloo's to interpreter
+    # teardown were seen to abort in it ("terminate called without an active exception", exit -6) after their run
+    # had finished and saved. A single process has no group: nothing to do.
+    accelerator.end_training()
     return {"step": step, "log": log, "params": n_params}
 
 

@@ -24,6 +24,7 @@ from .kimi_config_kda_hybrid import (
     MXFP4,
     MXFP4_GROUP,
     fail,
+    is_int,
     kimi_k3_dict,
     kimi_linear_dict,
     read_kimi_keys,
@@ -40,10 +41,6 @@ MLA_ROPE = "None with attention_type='mla' (NoPE: no RoPE)"
 DERIVED = ("num_key_value_heads", "head_dim", "attention_out_bias", "layer_types")
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _is_real(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -54,7 +51,7 @@ def _is_real(value) -> bool:
 
 
 def positive_int(name, value):
-    if not (_is_int(value) and value > 0):
+    if not (is_int(value) and value > 0):
         fail(name, "a positive int", value)
 
 
@@ -65,7 +62,7 @@ def linear_head_dim(name, value):
 
 
 def non_negative_int(name, value):
-    if not (_is_int(value) and value >= 0):
+    if not (is_int(value) and value >= 0):
         fail(name, "an int >= 0", value)
 
 
@@ -109,7 +106,7 @@ def field(default, rule=None):
 
 def _derived_head_dim(hidden_size, num_attention_heads):
     """head_dim when none is given: hidden_size // num_attention_heads (None when those are not positive ints)."""
-    if _is_int(hidden_size) and _is_int(num_attention_heads) and num_attention_heads > 0:
+    if is_int(hidden_size) and is_int(num_attention_heads) and num_attention_heads > 0:
         return hidden_size // num_attention_heads
     return None
 
@@ -234,7 +231,7 @@ class KDAHybridConfig(PretrainedConfig):
 
     def __post_init__(self, rope_parameters=None, **kwargs):
         derived = {}
-        if self.layer_types is None and _is_int(self.num_hidden_layers):
+        if self.layer_types is None and is_int(self.num_hidden_layers):
             derived["layer_types"] = [FULL if (i + 1) % 4 == 0 else LINEAR for i in range(self.num_hidden_layers)]
         if self.num_key_value_heads is None:
             derived["num_key_value_heads"] = self.num_attention_heads
@@ -262,7 +259,7 @@ class KDAHybridConfig(PretrainedConfig):
         """Every assignment meets its field's rule (at construction and after: config.num_experts_per_tok = 0
         is refused here, not deep in a forward); the rules between fields are validate()'s."""
         name = ALIASES.get(name, name)
-        if name == "num_experts" and value == 0 and _is_int(value):
+        if name == "num_experts" and value == 0 and is_int(value):
             value = None  # 0 routed experts: dense
         if name == "layer_types" and isinstance(value, tuple):
             value = list(value)
@@ -362,7 +359,7 @@ class KDAHybridConfig(PretrainedConfig):
             value = getattr(self, name)
             ids = value if name == "eos_token_id" and isinstance(value, (list, tuple)) else [value]
             for token in ids:
-                if token is not None and not (_is_int(token) and 0 <= token < self.vocab_size):
+                if token is not None and not (is_int(token) and 0 <= token < self.vocab_size):
                     fail(name, f"None or a token id in 0..{self.vocab_size - 1} (vocab_size={self.vocab_size})", value)
 
     # ------------------------------------------------------------------------------------------------

@@ -155,7 +155,8 @@ def expert_quantization_from(qc) -> str:
     return MXFP4
 
 
-def _is_int(value) -> bool:
+def is_int(value) -> bool:
+    """An int that is not a bool (True is an int to Python, never a size or a token id here)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -168,7 +169,7 @@ def layer_types_from_kimi(lac, num_hidden_layers) -> list[str]:
     """linear_attn_config's 1-based kda_layers / full_attn_layers -> 0-based layer_types."""
     if not isinstance(lac, dict) or "kda_layers" not in lac or "full_attn_layers" not in lac:
         fail("linear_attn_config", "a dict with kda_layers and full_attn_layers (1-based)", lac)
-    if not _is_int(num_hidden_layers) or num_hidden_layers <= 0:
+    if not is_int(num_hidden_layers) or num_hidden_layers <= 0:
         fail("num_hidden_layers", "a positive int (linear_attn_config's layers are counted against it)",
              num_hidden_layers)
     layer_types: list[str | None] = [None] * num_hidden_layers
@@ -176,7 +177,7 @@ def layer_types_from_kimi(lac, num_hidden_layers) -> list[str]:
         if not isinstance(lac[key], (list, tuple)):
             fail(f"linear_attn_config.{key}", "a list of 1-based layer numbers", lac[key])
         for one_based in lac[key]:
-            if not (_is_int(one_based) and 1 <= one_based <= num_hidden_layers):
+            if not (is_int(one_based) and 1 <= one_based <= num_hidden_layers):
                 fail(f"linear_attn_config.{key} entries", f"1-based ints in 1..{num_hidden_layers}", one_based)
             if layer_types[one_based - 1] is not None:
                 raise ValueError(f"KDAHybridConfig: linear_attn_config must list each layer once, got layer "

@@ -13,95 +13,39 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 from transformers import PretrainedConfig
 
+from .config_rules_kda_hybrid import (
+    boolean,
+    fail,
+    field,
+    is_int,
+    layer_types,
+    linear_head_dim,
+    non_negative_int,
+    one_of,
+    optional,
+    positive_int,
+    real,
+)
 from .kimi_config_kda_hybrid import (
     ALIASES,
     FULL,
     LINEAR,
     MXFP4,
     MXFP4_GROUP,
-    fail,
-    is_int,
     kimi_k3_dict,
     kimi_linear_dict,
     read_kimi_keys,
     uses_k3_features,
 )
 
-# The largest KDA head dim the Triton kernels take: kda_triton_fwd.MAX_HEAD_DIM (they hold a head's K = V in one
-# register tile). Checked here so a config that cannot run on GPU fails at construction, not in a kernel launch.
-MAX_LINEAR_HEAD_DIM = 256
 # RoPE variants of transformers' ROPE_INIT_FUNCTIONS whose inverse frequencies are fixed at construction
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 MLA_ROPE = "None with attention_type='mla' (NoPE: no RoPE)"
 # Fields whose None means "derived from others" while the config is built (after that, None is refused)
 DERIVED = ("num_key_value_heads", "head_dim", "attention_out_bias", "layer_types")
-
-
-def _is_real(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-# ------------------------------------------------------------------------------------------------------
-# Single-field rules: rule(name, value) raises the field's ValueError
-# ------------------------------------------------------------------------------------------------------
-
-
-def positive_int(name, value):
-    if not (is_int(value) and value > 0):
-        fail(name, "a positive int", value)
-
-
-def linear_head_dim(name, value):
-    positive_int(name, value)
-    if value > MAX_LINEAR_HEAD_DIM:
-        fail(name, f"<= {MAX_LINEAR_HEAD_DIM} (the Triton KDA kernels hold a head in registers)", value)
-
-
-def non_negative_int(name, value):
-    if not (is_int(value) and value >= 0):
-        fail(name, "an int >= 0", value)
-
-
-def boolean(name, value):
-    if not isinstance(value, bool):
-        fail(name, "True or False", value)
-
-
-def real(expected, ok):
-    """A rule: a finite number for which ok(value) holds."""
-    def rule(name, value):
-        if not (_is_real(value) and math.isfinite(value) and ok(value)):
-            fail(name, expected, value)
-    return rule
-
-
-def one_of(*choices, shown=None):
-    def rule(name, value):
-        if value not in choices:
-            fail(name, shown or " or ".join(map(repr, choices)), value)
-    return rule
-
-
-def optional(check):
-    """None, or what `check` accepts."""
-    def rule(name, value):
-        if value is not None:
-            check(name, value)
-    return rule
-
-
-def layer_types(name, value):  # its length is validate_layers'
-    if not isinstance(value, list):
-        fail(name, "a list of 'linear_attention' / 'full_attention' entries, one per layer", value)
-
-
-def field(default, rule=None):
-    """A config field with its single-field rule."""
-    return dataclasses.field(default=default, metadata={"rule": rule} if rule else {})
 
 
 def _derived_head_dim(hidden_size, num_attention_heads):

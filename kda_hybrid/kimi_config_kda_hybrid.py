@@ -8,15 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .config_rules_kda_hybrid import fail, is_int
+
 LINEAR = "linear_attention"
 FULL = "full_attention"
 ROOT, LAC = "root", "linear_attn_config"  # where a key lives in Kimi's (text) config.json
 REQUIRED = object()  # no Moonshot default: the key decides tensor shapes and must be present in an original file
 OURS = object()  # Moonshot's configuration_kimi.py default is ours
-
-
-def fail(name, expected, got):
-    raise ValueError(f"KDAHybridConfig: {name} must be {expected}, got {got!r}")
 
 
 @dataclass(frozen=True)
@@ -153,11 +151,6 @@ def expert_quantization_from(qc) -> str:
         fail("quantization_config", "K3's: compressed-tensors mxfp4-pack-quantized, 4-bit float, group_size 32, "
              "uint8 scales, on the routed experts only", "; ".join(problems))
     return MXFP4
-
-
-def is_int(value) -> bool:
-    """An int that is not a bool (True is an int to Python, never a size or a token id here)."""
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 # ------------------------------------------------------------------------------------------------------

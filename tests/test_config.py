@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kda_hybrid import KDAHybridForCausalLM
-from kda_hybrid.configuration_kda_hybrid import MAX_LINEAR_HEAD_DIM, KDAHybridConfig
+from kda_hybrid.config_rules_kda_hybrid import MAX_LINEAR_HEAD_DIM
+from kda_hybrid.configuration_kda_hybrid import KDAHybridConfig
 
 # Small valid configs, the base every invalid case changes one field of.
 MLA = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4, linear_num_heads=2,

@@ -1,0 +1,1 @@
+../../kda_hybrid/config_rules_kda_hybrid.py

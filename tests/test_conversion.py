@@ -118,7 +118,8 @@ def test_real_inventory_matches_fixture(real_meta):
 
 def test_real_hub_config_converts():
     """The Hub config.json, with its remote-code and unused keys, gives our config for the same tensors."""
-    from kda_hybrid.conversion.configs import detect_format, kda_hybrid_config
+    from kda_hybrid.conversion.configs import kda_hybrid_config
+    from kda_hybrid.conversion.formats import detect_format
 
     hub = {**REAL_CONFIG, "head_dim": 72, "rope_theta": 10000.0, "model_max_length": 1048576,
            "num_nextn_predict_layers": 0, "torch_dtype": "bfloat16", "transformers_version": "4.56.2",

@@ -9,8 +9,9 @@ CLI: `python -m kda_hybrid.conversion --from kimi_linear SRC DST` (see `--help`)
 checkpoints, so it may live in a sub-package (docs/architecture.md §6).
 """
 
-from .configs import KDA_HYBRID, KIMI_LINEAR, TRANSFORMERS, detect_format, native_to_kimi_dict
+from .configs import KDA_HYBRID, KIMI_LINEAR, TRANSFORMERS, native_to_kimi_dict
 from .convert import convert, convert_state_dict
+from .formats import detect_format
 from .layout import ConversionError, kimi_inventory
 
 __all__ = [

@@ -11,8 +11,9 @@ import threading
 from pathlib import Path
 
 from .checkpoint import parse_size
-from .configs import KDA_HYBRID, SOURCE_FORMATS, TARGET_FORMATS
+from .configs import KDA_HYBRID
 from .convert import DTYPES, convert
+from .formats import SOURCE_FORMATS, TARGET_FORMATS
 from .layout import ConversionError
 from .publish import recover_tree
 

@@ -15,12 +15,6 @@ from .layout import FILE_KEYS, ConversionError, as_config
 KIMI_LINEAR, TRANSFORMERS, KDA_HYBRID, KIMI_K3 = "kimi_linear", "transformers", "kda_hybrid", "kimi_k3"
 GGUF = "gguf"  # a llama.cpp file (to_gguf.py), target only
 _READ_KEYS = (*ALIASES, *KIMI_ONLY_KEYS)  # names KDAHybridConfig reads besides its own fields
-SOURCE_FORMATS = (KIMI_LINEAR, TRANSFORMERS, KDA_HYBRID, KIMI_K3)
-TARGET_FORMATS = (KDA_HYBRID, KIMI_LINEAR, KIMI_K3, GGUF)
-
-# Names only a transformers-native kimi_linear checkpoint uses (fused or moved tensors).
-_NATIVE_MARKERS = (".self_attn.conv1d.weight", ".self_attn.forget_gate.", ".mlp.experts.gate_up_proj",
-                   ".mlp.experts.down_proj", ".mlp.gate.weight")
 
 
 def read_config(folder: Path) -> dict:
@@ -31,24 +25,6 @@ def read_config(folder: Path) -> dict:
         return json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise ConversionError(f"{path}: not valid JSON ({err})") from None
-
-
-def detect_format(config: dict, tensor_names) -> str:
-    """Which naming a checkpoint uses: ours, transformers' native one, or the original Hub one."""
-    if config.get("model_type") == KDA_HYBRID:
-        return KDA_HYBRID
-    if config.get("model_type") == KIMI_K3:
-        return KIMI_K3
-    if config.get("model_type") != "kimi_linear":
-        raise ConversionError(f"config.json: model_type {config.get('model_type')!r} is not a Kimi Linear model "
-                              f"(expected 'kimi_linear', '{KIMI_K3}' or '{KDA_HYBRID}')")
-    if any(marker in name for name in tensor_names for marker in _NATIVE_MARKERS):
-        return TRANSFORMERS
-    # transformers writes its own keys (layer_types, mlp_layer_types, linear_num_heads) into config.json;
-    # the original remote-code config has only linear_attn_config.
-    if "layer_types" in config or "mlp_layer_types" in config or "linear_num_heads" in config:
-        return TRANSFORMERS
-    return KIMI_LINEAR
 
 
 def native_config(native: dict):
@@ -83,28 +59,6 @@ def kimi_dict(config) -> dict:
         raise ConversionError(f"config.json: {err}") from None
 
 
-def source_config(config: dict, source_format: str):
-    """The source's config.json as our config, whatever its format."""
-    if source_format == KIMI_LINEAR and "linear_attn_config" not in config:
-        raise ConversionError("config.json: an original Kimi-Linear config needs 'linear_attn_config'")
-    if source_format == KIMI_K3 and "text_config" not in config:
-        raise ConversionError("config.json: a Kimi K3 config needs its 'text_config'")
-    if source_format == TRANSFORMERS:
-        return native_config(config)
-    return as_config(config)
-
-
-def source_router_semantics(config: dict, source_format: str) -> bool:
-    """Default `router_weights_from_biased_scores` for a source: what its reference implementation does."""
-    if source_format == KIMI_LINEAR:
-        return True  # Moonshot's modeling_kimi.py gathers weights from the bias-corrected scores
-    if source_format == KIMI_K3:
-        return False  # K3's KimiMoEGate gathers from the unbiased scores
-    if source_format == TRANSFORMERS:
-        return False  # transformers' KimiLinearTopkRouter (and vLLM) gather from the unbiased scores
-    return bool(config.get("router_weights_from_biased_scores", False))
-
-
 def kda_hybrid_config(config, *, router_weights_from_biased_scores: bool, dtype: str | None):
     """Our config to write for a source config (a KDAHybridConfig or a config.json dict in any naming)."""
     config = copy.deepcopy(as_config(config))
@@ -115,10 +69,10 @@ def kda_hybrid_config(config, *, router_weights_from_biased_scores: bool, dtype:
     return config
 
 
-def kimi_linear_config(config, *, source_config: dict, source_format: str, dtype: str | None) -> dict:
-    """The original-format config.json to write: the source's own when it is already original (its extra
+def kimi_linear_config(config, *, source_config: dict | None, dtype: str | None) -> dict:
+    """The original-format config.json to write: `source_config` when the source is already original (its extra
     keys kept), else what our config writes."""
-    out = dict(source_config) if source_format == KIMI_LINEAR else kimi_dict(config)
+    out = dict(source_config) if source_config is not None else kimi_dict(config)
     out.setdefault("architectures", ["KimiLinearForCausalLM"])
     out["model_type"] = "kimi_linear"
     if dtype is not None:

@@ -4,11 +4,10 @@ write output shards as they fill into a staging folder, and publish it atomicall
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import shutil
 from collections import Counter, defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,37 +15,11 @@ import torch
 
 from ..checkpoint_kda_hybrid import CARRIED_MODULES, write_checkpoint_metadata
 from .checkpoint import FolderSource, Header, MemorySink, MemorySource, ShardWriter, Source, name_list, parse_size
-from .configs import (
-    GGUF,
-    KDA_HYBRID,
-    KIMI_K3,
-    KIMI_LINEAR,
-    SOURCE_FORMATS,
-    TARGET_FORMATS,
-    TRANSFORMERS,
-    detect_format,
-    kda_hybrid_config,
-    kimi_k3_config,
-    kimi_linear_config,
-    read_config,
-    source_config,
-    source_router_semantics,
-)
+from .configs import GGUF, KDA_HYBRID, read_config
+from .formats import FORMATS, SOURCE_FORMATS, TARGET_FORMATS, CheckpointFormat, detect_format
 from .from_attention import ATTENTION_SOURCES, KDAInit, is_attention_source
 from .gguf import find_gguf, gguf_config, gguf_source
-from .layout import (
-    K3_TEXT_PREFIX,
-    K3_VISION_PREFIXES,
-    ConversionError,
-    Group,
-    Rule,
-    Spec,
-    apply_rule,
-    identity_groups,
-    k3_groups,
-    kimi_inventory,
-    native_groups,
-)
+from .layout import ConversionError, Group, Rule, Spec, apply_rule, kimi_inventory
 from .publish import (
     MANIFEST,
     Staging,
@@ -158,22 +131,6 @@ def execute(plan: Plan, source: Source, sink, *, progress: bool = False) -> None
             bar.close()
 
 
-def _groups(source_format: str, config, inventory: dict[str, Spec], headers) -> list[Group]:
-    if source_format == TRANSFORMERS:
-        return native_groups(config, inventory)
-    if source_format == KIMI_K3:
-        return k3_groups(inventory, headers)
-    return identity_groups(inventory)
-
-
-def _text_headers(source_format: str, headers: Mapping[str, Header]) -> tuple[dict[str, Header], list[str]]:
-    """The headers the text model consumes, and the names skipped: a K3 checkpoint's vision tower and projector."""
-    if source_format != KIMI_K3:
-        return dict(headers), []
-    skipped = sorted(n for n in headers if n.startswith(K3_VISION_PREFIXES))
-    return {n: h for n, h in headers.items() if not n.startswith(K3_VISION_PREFIXES)}, skipped
-
-
 def _resolve_dtype(dtype) -> torch.dtype | None:
     if dtype is None or dtype == "keep":
         return None
@@ -188,16 +145,16 @@ def _resolve_dtype(dtype) -> torch.dtype | None:
 
 def convert_state_dict(tensors: Mapping[str, torch.Tensor] | list[Mapping[str, torch.Tensor]], config: dict, *,
                        source: str, dtype=None) -> dict[str, torch.Tensor]:
-    """Convert in memory: `tensors` (one dict, or a list of dicts = shards) named as `source`
-    ("kimi_linear" | "transformers" | "kda_hybrid"), `config` that source's config.json dict. Returns the
-    tensors under original Kimi-Linear names, which are also ours. Works on meta tensors (dry runs)."""
+    """Convert in memory: `tensors` (one dict, or a list of dicts = shards) named as `source` (a SOURCE_FORMATS
+    name: "kimi_linear" | "transformers" | "kda_hybrid" | "kimi_k3"), `config` that source's config.json dict.
+    Returns the tensors under original Kimi-Linear names, which are also ours (a K3 source's vision tensors are
+    left out). Works on meta tensors (dry runs)."""
     if source not in SOURCE_FORMATS:
         raise ConversionError(f"source: expected one of {SOURCE_FORMATS}, got {source!r}")
     reader = MemorySource([dict(tensors)] if isinstance(tensors, Mapping) else [dict(t) for t in tensors])
-    parsed = source_config(config, source)
-    inventory = kimi_inventory(parsed)
-    headers, _ = _text_headers(source, reader.headers)
-    plan = make_plan(headers, _groups(source, parsed, inventory, headers), inventory, _resolve_dtype(dtype))
+    fmt = FORMATS[source]
+    parsed = fmt.parse(config)
+    plan = _plan(fmt, parsed, reader.headers, _resolve_dtype(dtype))
     sink = MemorySink()
     execute(plan, reader, sink)
     return sink.close()
@@ -214,45 +171,6 @@ def _check_arguments(source, target, overwrite, progress, router_weights_from_bi
     if router_weights_from_biased_scores is not None and not isinstance(router_weights_from_biased_scores, bool):
         raise ConversionError("router_weights_from_biased_scores: expected True, False or None, got "
                               f"{router_weights_from_biased_scores!r}")
-
-
-def _ours_config(parsed, *, biased, dtype, **_):
-    return kda_hybrid_config(parsed, router_weights_from_biased_scores=biased, dtype=dtype)
-
-
-def _kimi_linear_config(parsed, *, raw, source_format, biased, dtype):
-    if not biased:
-        logger.warning("the original Kimi-Linear remote code gathers router weights from the bias-corrected "
-                       "scores; this model was used with unbiased weights (transformers/vLLM). Outputs of the "
-                       "original code will differ; transformers' native class matches.")
-    return kimi_linear_config(parsed, source_config=raw, source_format=source_format, dtype=dtype)
-
-
-def _kimi_k3_config(parsed, *, biased, dtype, **_):
-    if biased:
-        logger.warning("K3's reference code gathers router weights from the unbiased scores; this model was "
-                       "used with weights from the biased scores, so K3 engines will route it differently")
-    return kimi_k3_config(parsed, dtype=dtype)
-
-
-def _write_json_config(config: dict, folder: Path) -> None:
-    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-
-
-@dataclass(frozen=True)
-class FolderTarget:
-    """What a folder layout `convert()` writes needs: which models it takes (`k3`: True K3 only, False Kimi Linear
-    only, None both; `refusal` says why otherwise), its config (built before any tensor is written), the export
-    dtypes its release uses, the sink its tensors go through, how its config is written, whether the package's
-    code travels with it."""
-
-    config: Callable
-    write_config: Callable
-    k3: bool | None = None
-    refusal: str = ""
-    export_dtypes: Callable | None = None
-    sink: Callable | None = None  # (writer, parsed config) -> what execute() writes through; None: the writer itself
-    carries_code: bool = False
 
 
 def convert(src, dst, *, source: str | None = None, target: str = KDA_HYBRID, dtype=None,
@@ -286,18 +204,8 @@ def convert(src, dst, *, source: str | None = None, target: str = KDA_HYBRID, dt
     """
     src, dst = Path(src), Path(dst)
     _check_arguments(source, target, overwrite, progress, router_weights_from_biased_scores)
-    cast = _resolve_dtype(dtype)
-    max_bytes = parse_size(max_shard_size)
-    gguf = find_gguf(src)
-    if gguf is None and not src.is_dir():
-        raise ConversionError(f"{src}: not a folder or a .gguf file")
-    dst_real = check_paths(gguf or src, dst)  # never the source, inside it or around it: before anything is touched
-    for line in recover_folder(dst_real.parent):  # what killed runs left beside DST (only ours, only dead runs')
-        logger.warning("%s: %s", dst_real.parent, line)
-    if target == GGUF:
-        check_file_destination(dst, dst_real, suffix=".gguf", magic=b"GGUF", overwrite=overwrite)
-    else:
-        check_destination(gguf or src, dst, overwrite=overwrite)
+    cast, max_bytes = _resolve_dtype(dtype), parse_size(max_shard_size)
+    gguf, dst_real = _check_destination(src, dst, target, overwrite)
 
     attention = dict(layer_types=layer_types, target=target, cast=cast, max_bytes=max_bytes, overwrite=overwrite,
                      kda_init=kda_init or KDAInit(), progress=progress, patch=patch)
@@ -306,55 +214,84 @@ def convert(src, dst, *, source: str | None = None, target: str = KDA_HYBRID, dt
             raise ConversionError(f"source: a GGUF file is read as what its metadata says, got source={source!r}")
         return _convert_attention(gguf, dst, dst_real, gguf_config(gguf), lambda: gguf_source(gguf, progress),
                                   **attention)
-    raw = read_config(src)
-    reader = FolderSource(src)
+    raw, reader = read_config(src), FolderSource(src)
     if is_attention_source(raw):
         return _convert_attention(src, dst, dst_real, raw, lambda: (reader, None), **attention)
+    _refuse_attention_options(src, raw, patch=patch, layer_types=layer_types)
+    fmt = FORMATS[source or detect_format(raw, reader.headers)]
+    parsed = fmt.parse(raw)
+    biased = fmt.biased_router(raw) if router_weights_from_biased_scores is None else router_weights_from_biased_scores
+    if target == GGUF:  # what llama.cpp cannot run, named before the layout is even planned
+        parsed, arch = _llama_cpp_config(parsed, biased)
+    plan = _plan(fmt, parsed, reader.headers, cast)
+    dtype_name = str(cast or _main_dtype(plan)).removeprefix("torch.")
+    logger.info("source format %s, %d tensors -> %s, %d tensors (%s; router weights from %s scores)", fmt.name,
+                len(reader.headers), target, len(plan.inventory), dtype_name, "biased" if biased else "unbiased")
+    if target == GGUF:
+        return _convert_to_gguf(src, dst, dst_real, parsed, arch, plan, reader, cast=cast, overwrite=overwrite,
+                                progress=progress)
+    _convert_to_folder(src, dst, dst_real, fmt, FORMATS[target], raw, parsed, plan, reader, biased=biased,
+                       dtype_name=dtype_name, max_bytes=max_bytes, overwrite=overwrite, progress=progress)
+    return dst
+
+
+def _check_destination(src: Path, dst: Path, target: str, overwrite: bool) -> tuple[Path | None, Path]:
+    """(the GGUF file `src` names or None for a checkpoint folder, `dst` resolved), once `dst` is known to be a
+    destination this conversion may write (never the source, inside it or around it) and what killed runs left
+    beside it is cleaned up: before anything is read or written."""
+    gguf = find_gguf(src)
+    if gguf is None and not src.is_dir():
+        raise ConversionError(f"{src}: not a folder or a .gguf file")
+    dst_real = check_paths(gguf or src, dst)
+    for line in recover_folder(dst_real.parent):  # only ours, only dead runs'
+        logger.warning("%s: %s", dst_real.parent, line)
+    if target == GGUF:
+        check_file_destination(dst, dst_real, suffix=".gguf", magic=b"GGUF", overwrite=overwrite)
+    else:
+        check_destination(gguf or src, dst, overwrite=overwrite)
+    return gguf, dst_real
+
+
+def _refuse_attention_options(src: Path, raw: dict, *, patch, layer_types) -> None:
     if patch is not None:
         raise ConversionError("patch applies to Llama-family sources (a delta over a converted teacher)")
     if layer_types is not None:
         raise ConversionError(f"layer_types (--layer-types) applies to {'/'.join(ATTENTION_SOURCES)} sources; "
                               f"{src} is a {raw.get('model_type')!r} checkpoint, whose layer types are fixed")
-    source_format = source or detect_format(raw, reader.headers)
-    parsed = source_config(raw, source_format)
-    biased = source_router_semantics(raw, source_format)
-    if router_weights_from_biased_scores is not None:
-        biased = bool(router_weights_from_biased_scores)
-    if target == GGUF:  # what llama.cpp cannot run, named before the layout is even planned
-        parsed, arch = _llama_cpp_config(parsed, biased)
-    inventory = kimi_inventory(parsed)
-    headers, skipped = _text_headers(source_format, reader.headers)
-    plan = make_plan(headers, _groups(source_format, parsed, inventory, headers), inventory, cast)
-    dtype_name = str(cast or _main_dtype(plan)).removeprefix("torch.")
-    logger.info("source format %s, %d tensors -> %s, %d tensors (%s; router weights from %s scores)",
-                source_format, len(reader.headers), target, len(inventory), dtype_name,
-                "biased" if biased else "unbiased")
 
-    if target == GGUF:
-        return _convert_to_gguf(src, dst, dst_real, parsed, arch, plan, reader, cast=cast, overwrite=overwrite,
-                                progress=progress)
-    fmt = FOLDER_TARGETS[target]
-    if fmt.k3 is not None and fmt.k3 != parsed.uses_k3_features:
-        raise ConversionError(f"target: {fmt.refusal}, got {target!r}")
+
+def _plan(fmt: CheckpointFormat, parsed, headers: Mapping[str, Header], cast) -> Plan:
+    """The plan for a checkpoint of layout `fmt` (config `parsed`): its text model's tensors to our inventory."""
+    inventory = kimi_inventory(parsed)
+    text, _ = fmt.text_headers(headers)
+    return make_plan(text, fmt.groups(parsed, inventory, text), inventory, cast)
+
+
+def _convert_to_folder(src: Path, dst: Path, dst_real: Path, source: CheckpointFormat, target: CheckpointFormat,
+                       raw: dict, parsed, plan: Plan, reader: Source, *, biased: bool, dtype_name: str,
+                       max_bytes: int, overwrite: bool, progress: bool) -> None:
+    """A Kimi Linear or K3 checkpoint (any layout) -> a folder in layout `target`, staged and published."""
+    out = target.target
+    out.check(target.name, parsed)
     # Build the output config before writing anything: a config problem must not cost a full conversion.
-    config = fmt.config(parsed, raw=raw, source_format=source_format, biased=biased, dtype=dtype_name)
-    if fmt.export_dtypes is not None:
-        fmt.export_dtypes(plan)
-    carried = _files_to_carry(src, same_format=source_format == target)
-    code = _code_files() if fmt.carries_code else []
+    config = out.config(parsed, raw=raw, same_layout=source is target, biased=biased, dtype=dtype_name)
+    if out.export_dtypes is not None:
+        out.export_dtypes(plan)
+    carried = _files_to_carry(src, same_format=source is target)
+    code = _code_files() if out.carries_code else []
 
     def fill(folder: Path) -> None:
         writer = ShardWriter(folder, max_bytes)
-        execute(plan, reader, writer if fmt.sink is None else fmt.sink(writer, parsed), progress=progress)
+        execute(plan, reader, writer if out.sink is None else out.sink(writer, parsed), progress=progress)
         writer.close()
-        fmt.write_config(config, folder)
+        out.write_config(config, folder)
 
-    manifest = {"source": src.name, "source_format": source_format, "target": target, "dtype": dtype_name}
+    manifest = {"source": src.name, "source_format": source.name, "target": target.name, "dtype": dtype_name}
+    skipped = source.text_headers(reader.headers)[1]
     if skipped:  # K3's vision side: not part of the text model, listed so that nothing disappears unrecorded
         manifest["skipped_tensors"] = skipped
         logger.info("skipped %d vision tensors (listed in the conversion record)", len(skipped))
     _stage_and_publish(dst, dst_real, fill, carried, code, _output_bytes(plan), manifest, overwrite=overwrite)
-    return dst
 
 
 def _stage_and_publish(dst: Path, dst_real: Path, fill, carried: list[Path], code: list[Path], tensor_bytes: int,
@@ -484,50 +421,6 @@ def _convert_attention(src: Path, dst: Path, dst_real: Path, raw: dict, open_sou
     _stage_and_publish(dst, dst_real, fill, carried, code, tensor_bytes + (2**24 if tokenizer else 0), manifest,
                        overwrite=overwrite)
     return dst
-
-
-# Stored in float32 in the released K3 layout whatever the rest is (K3.md §2): the KDA short convolutions and o_norm
-K3_FP32_SUFFIXES = ("_conv1d.weight", ".self_attn.o_norm.weight")
-
-
-def _k3_export_dtypes(plan: Plan) -> None:
-    """The released K3 dtypes: KDA convolutions and o_norm in float32 (a lossless upcast from bf16)."""
-    for name in plan.out_dtypes:
-        if name.endswith(K3_FP32_SUFFIXES) and plan.out_dtypes[name] != torch.uint8:
-            plan.out_dtypes[name] = torch.float32
-
-
-def k3_a_log_length(config) -> int:
-    """Entries of a stored K3 A_log: the released checkpoint pads its 96 per-head values with zeros to 128 = the
-    KDA head dim. We pad to max(heads, head dim), which reproduces the release; no source we read states the rule
-    for other shapes (reading accepts any length >= heads with a zero tail)."""
-    return max(config.linear_num_heads, config.linear_head_dim)
-
-
-class _K3Sink:
-    """Our tensors -> the released K3 layout on their way to `sink`: `language_model.` names, A_log [1, 1, H, 1] ->
-    [k3_a_log_length] with a zero tail."""
-
-    def __init__(self, sink, config):
-        self.sink, self.length = sink, k3_a_log_length(config)
-
-    def add(self, name: str, tensor: torch.Tensor):
-        if name.endswith(".A_log"):
-            values = tensor.reshape(-1)
-            tensor = torch.cat([values, values.new_zeros(self.length - values.numel())])
-        self.sink.add(K3_TEXT_PREFIX + name, tensor)
-
-
-FOLDER_TARGETS = {
-    KDA_HYBRID: FolderTarget(_ours_config, write_checkpoint_metadata, carries_code=True),
-    KIMI_LINEAR: FolderTarget(_kimi_linear_config, _write_json_config, k3=False,
-                              refusal=f"a Kimi K3 model has no Kimi Linear layout; write it as {KIMI_K3!r} or "
-                                      f"{KDA_HYBRID!r}"),
-    KIMI_K3: FolderTarget(_kimi_k3_config, _write_json_config, k3=True,
-                          refusal=f"this is a Kimi Linear model (no K3 feature is on); write it as {KIMI_LINEAR!r} "
-                                  f"or {KDA_HYBRID!r}",
-                          export_dtypes=_k3_export_dtypes, sink=_K3Sink),
-}
 
 
 class _PatchingSink:

@@ -137,3 +137,78 @@ def test_the_committed_prompt_set_is_broad():
     assert sum(q.kind == "seed" for q in prompts) >= 40
     held = sum(q.split(0.1) == "heldout" for q in chats)
     assert 0.05 * len(chats) < held < 0.15 * len(chats)
+
+
+def test_the_llama_cpp_engine_takes_a_gguf_teacher_only(teacher, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(PROMPTS)
+    with pytest.raises(SystemExit) as refused:
+        _run(teacher, tmp_path / "c", prompts, "--engine", "llama_cpp")
+    assert refused.value.code == 2 and not (tmp_path / "c").exists()
+
+
+@pytest.fixture(scope="module")
+def gguf_teacher(tmp_path_factory):
+    pytest.importorskip("llama_cpp")
+    pytest.importorskip("gguf")
+    from ._gguf import write_tiny_gguf
+
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.Q4_1.gguf")
+
+
+def test_llama_cpp_corpus_resumes_to_what_one_run_writes(gguf_teacher, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(PROMPTS)
+    _run(gguf_teacher, tmp_path / "whole", prompts, "--engine", "llama_cpp")
+    whole = _files(tmp_path / "whole")
+    log = [json.loads(line) for line in whole["samples.jsonl"].decode().splitlines()]
+    assert len(log) == 12 and {r["engine"] for r in log} == {"llama_cpp"}
+    assert json.loads(whole["manifest.json"])["samples_by_engine"] == {"llama_cpp": 12}
+    assert all(0 < r["tokens"] <= 12 for r in log)
+    assert len({r["text"] for r in log}) > 1  # sampled, not one reply repeated
+    part = tmp_path / "parts"
+    _run(gguf_teacher, part, prompts, "--engine", "llama_cpp", "--max-batches", "2")
+    lines = (part / "samples.jsonl").read_bytes().split(b"\n")
+    (part / "samples.jsonl").write_bytes(b"\n".join(lines[:-2]) + b"\n" + lines[-2][:10])
+    _run(gguf_teacher, part, prompts, "--engine", "llama_cpp")
+    assert _files(part) == whole
+
+
+def _nucleus(logits, temperature: float, top_p: float) -> set[int]:
+    """transformers' top-p set: the most likely tokens of softmax(logits / temperature) until their mass reaches
+    top_p."""
+    probs = torch.softmax(torch.as_tensor(logits, dtype=torch.float64) / temperature, -1)
+    order = probs.argsort(descending=True)
+    mass = probs[order].cumsum(0)
+    return set(order[: int((mass < top_p).sum()) + 1].tolist())
+
+
+def test_llama_cpp_sampling_tempers_before_the_nucleus(gguf_teacher):
+    """transformers' order: the temperature divides the logits, then top-p keeps the nucleus of that distribution
+    (llama.cpp's own chain takes the nucleus of the untempered one). At temperature 2 the tempered nucleus is the
+    larger: every first token sampled lies in it, and some lie outside the untempered one. A top-p so small that
+    only the most likely token survives gives llama.cpp's greedy reply whatever the seed."""
+    from llama_cpp import Llama, LogitsProcessorList
+
+    _, tok = tc.load_teacher(gguf_teacher, tokenizer_only=True)
+    ids = tok.apply_chat_template([{"role": "user", "content": "Name three colours."}], add_generation_prompt=True,
+                                  tokenize=True, return_dict=True)["input_ids"]
+    llm = Llama(str(gguf_teacher), n_ctx=128, n_threads=1, verbose=False)
+    seen = []
+    next(llm.generate(ids, temp=0.0, logits_processor=LogitsProcessorList([lambda _, x: seen.append(x.copy()) or x])))
+    logits = seen[0]
+    tempered, untempered = _nucleus(logits, 2.0, 0.5), _nucleus(logits, 1.0, 0.5)
+    assert untempered < tempered
+    teacher = tc.LlamaCppTeacher(gguf_teacher, threads=1, context=128, temperature=2.0, top_p=0.5, max_new_tokens=1,
+                                 eos=tok.eos_token_id)
+    first = [teacher.sample(ids, seed)[0] for seed in range(200)]
+    assert set(first) <= tempered and set(first) - untempered, (sorted(set(first)), sorted(untempered))
+
+    greedy = []
+    for token in llm.generate(ids, temp=0.0):
+        greedy.append(token)
+        if token == tok.eos_token_id or len(greedy) == 10:
+            break
+    teacher = tc.LlamaCppTeacher(gguf_teacher, threads=1, context=128, temperature=2.0, top_p=1e-6, max_new_tokens=10,
+                                 eos=tok.eos_token_id)
+    assert [teacher.sample(ids, seed) for seed in (1, 2, 3)] == [greedy] * 3

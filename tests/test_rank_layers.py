@@ -1,0 +1,90 @@
+"""examples/smollm2/rank_layers.py: restoring a layer of an all-KDA student to the teacher's attention measures what a
+hybrid converted with attention at that layer measures, against the teacher's own (transformers Llama) logits; the
+student it writes is the conversion with the chosen layer types."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from kda_hybrid.conversion import convert
+
+from .helpers import load_script
+
+rl = load_script("examples/smollm2/rank_layers.py", "rank_layers_example")
+VOCAB, LAYERS, SEQ = 96, 4, 24
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rank")
+    torch.manual_seed(0)
+    teacher = LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
+        num_key_value_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=0))
+    teacher.save_pretrained(root / "teacher")
+    for name, pattern in (("all-A", "A"), ("all-k", "k"), ("kAkk", "kAkk")):
+        convert(root / "teacher", root / name, layer_types=pattern, progress=False)
+    data = root / "data"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    rng.integers(3, VOCAB, size=3 * SEQ).astype(np.uint16).tofile(data / "train.bin")  # no BOS: one document a row
+    (data / "meta.json").write_text(json.dumps({"bos_token_id": 1}))
+    return root, teacher.eval(), data
+
+
+def _kl(teacher, model, rows) -> float:
+    """KL(teacher || model) per token, from the transformers teacher's logits."""
+    total = 0.0
+    with torch.no_grad():
+        for ids in rows:
+            ref = torch.log_softmax(teacher(ids).logits[0], -1)
+            lp = torch.log_softmax(model(ids, use_cache=False).logits[0], -1)
+            total += float((ref.exp() * (ref - lp)).sum())
+    return total / sum(r.shape[1] for r in rows)
+
+
+def test_restoring_a_layer_measures_the_hybrid_converted_with_attention_there(setup):
+    root, teacher, data = setup
+    batches = rl.batches(data, 3 * SEQ, SEQ)
+    rows = [b["input_ids"] for b in batches]
+    all_a, all_k = rl.load(root / "all-A"), rl.load(root / "all-k")
+    result = rl.rank(all_a, all_k, batches)
+    assert sorted(result["ranking"]) == list(range(LAYERS)) and result["tokens"] == 3 * SEQ
+    assert result["all_kda_kl"] == pytest.approx(_kl(teacher, all_k, rows), rel=1e-4)
+    assert result["layers"][1]["kl"] == pytest.approx(_kl(teacher, rl.load(root / "kAkk"), rows), rel=1e-4)
+    gains = {r["layer"]: r["gain"] for r in result["layers"]}
+    assert [gains[i] for i in result["ranking"]] == sorted(gains.values(), reverse=True)
+    # the swaps were undone: the student is all-KDA again, and with every layer restored it is the teacher
+    assert set(all_k.config.layer_types) == {"linear_attention"}
+    assert rl.mean_kl(all_k, batches, [rl.log_probs(all_a, b) for b in batches]) == pytest.approx(
+        result["all_kda_kl"], rel=1e-6)
+    rl.with_attention(all_k, all_a, range(LAYERS))
+    assert _kl(teacher, all_k, rows) < 1e-6
+
+
+def test_the_written_student_is_the_conversion_with_the_chosen_layers(setup, tmp_path):
+    root, _, data = setup
+    out = tmp_path / "ranked"
+    rl.main(["--teacher", str(root / "all-A"), "--student", str(root / "all-k"), "--data", str(data), "--tokens",
+             str(2 * SEQ), "--seq-len", str(SEQ), "--keep", "2", "--json", str(tmp_path / "r.json"),
+             "--write-student", str(out)])
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["layer_types"].count("A") == 2 and result["kept_layers"] == sorted(result["ranking"][:2])
+    convert(root / "teacher", tmp_path / "converted", layer_types=result["layer_types"], progress=False)
+    written, converted = rl.load(out), rl.load(tmp_path / "converted")
+    assert written.config.layer_types == converted.config.layer_types
+    got, want = written.state_dict(), converted.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_student_that_is_not_all_kda_is_refused(setup, tmp_path):
+    root, _, data = setup
+    with pytest.raises(SystemExit, match="every layer must be KDA"):
+        rl.main(["--teacher", str(root / "all-A"), "--student", str(root / "kAkk"), "--data", str(data)])
+    with pytest.raises(SystemExit, match="every layer must be attention"):
+        rl.main(["--teacher", str(root / "kAkk"), "--student", str(root / "all-k"), "--data", str(data)])

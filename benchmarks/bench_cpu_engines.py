@@ -139,6 +139,8 @@ def main():
     p.add_argument("--contexts", nargs="+", type=int, default=[256, 4096])
     p.add_argument("--decode", type=int, default=32, help="decode steps per context (default 32)")
     p.add_argument("--compiled", action="store_true", help="also time a torch.compile'd forward (compiles first)")
+    p.add_argument("--compiled-matvec", action="store_true",
+                   help="also a copy after prepare_cpu_decode(compiled=True) (the compiled one-token kernel)")
     p.add_argument("--cpu-layout", action="store_true",
                    help="also time the model after prepare_cpu_decode() (wide weights column-major)")
     p.add_argument("--native-max", type=int, default=256,
@@ -171,8 +173,18 @@ def main():
                                                             dtype=torch.float32).eval()
                 laid.prepare_cpu_decode()
                 engines["ours eager, prepare_cpu_decode()"] = laid
+            if args.compiled_matvec:  # a copy whose one-token products run the compiled kernel
+                fast = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True,
+                                                            dtype=torch.float32).eval()
+                started = time.perf_counter()
+                fast.prepare_cpu_decode(compiled=True)
+                report.print(f"# {name}: prepare_cpu_decode(compiled=True) took {time.perf_counter() - started:.1f} s "
+                             "(compiling; inductor's disk cache serves later processes)")
+                engines["ours eager, prepare_cpu_decode(compiled=True)"] = fast
             if args.compiled:
                 engines["ours compiled"] = torch.compile(model)
+                if args.cpu_layout:
+                    engines["ours compiled, prepare_cpu_decode()"] = torch.compile(laid)
             llm = None
             if Llama is not None:
                 gguf = convert(folder, work / f"{name}.gguf", target="gguf", dtype="float32", progress=False,

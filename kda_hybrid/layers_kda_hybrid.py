@@ -147,6 +147,37 @@ def _is_row_sharded(weight: torch.Tensor) -> bool:
     return len(placements) == 1 and isinstance(placements[0], tensor_module.Shard) and placements[0].dim == 0
 
 
+def _rows_dot(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [in] . each row of w [out, in] -> [out]: a matrix-vector product written as what it reads, which
+    torch.compile turns into one vectorised pass over W's rows (no BLAS call)."""
+    return (x * w).sum(-1)
+
+
+@functools.cache
+def compiled_matvec() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The one compiled matrix-vector kernel every opted-in Linear shares (dynamic sizes: one compilation serves
+    every shape, a few recompilations at most)."""
+    return torch.compile(_rows_dot, dynamic=True)
+
+
+def decode_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """module(x); for one token through a Linear that prepare_cpu_decode(compiled=True) opted in
+    (`module._decode_matvec`), the compiled kernel instead: on this machine's CPU it streams the models' weights
+    at 16-25 GB/s where BLAS's one-row product reads 9-17 (`python benchmarks/bench_matvec_layout.py --compiled`,
+    benchmarks/results/matvec_layout_compiled.md). The same values up to the order of the sum (about 1e-7
+    relative, as close to a float64 product as BLAS's). Anything else (more than one token, gradients, autocast, a
+    wrapped, hooked or quantised Linear) takes the module's own forward."""
+    if not module.__dict__.get("_decode_matvec") or x.numel() != x.shape[-1] or torch.is_grad_enabled():
+        return module(x)
+    w = _plain_weight(module, nn.Linear)
+    if w is None or w.dtype != x.dtype or w.device != x.device or torch.is_autocast_enabled(x.device.type):
+        return module(x)
+    y = compiled_matvec()(x.reshape(-1), w.detach())  # a plain tensor: a Parameter's sizes would be static guards
+    if module.bias is not None:
+        y = y + module.bias
+    return y.view(*x.shape[:-1], -1)
+
+
 # ------------------------------------------------------------------------------------------------------
 # KDA
 # ------------------------------------------------------------------------------------------------------
@@ -179,6 +210,10 @@ def _gather_tokens(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
 
 class KDAHybridDeltaAttention(nn.Module):
     """Kimi Delta Attention layer (docs/architecture.md §2)."""
+
+    # the Linears whose one-token products go through decode_linear (prepare_cpu_decode(compiled=True) reads this)
+    DECODE_LINEARS = ("q_proj", "k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj", "g_proj", "g_a_proj", "g_b_proj",
+                      "o_proj")
 
     def __init__(self, config: KDAHybridConfig, layer_idx: int):
         super().__init__()
@@ -349,7 +384,7 @@ class KDAHybridDeltaAttention(nn.Module):
         B, _, D = x.shape
         K = self.head_dim
         x2 = x.view(B, D)
-        qkv = torch.cat((self.q_proj(x2), self.k_proj(x2), self.v_proj(x2)), -1)  # [B, 3C]
+        qkv = torch.cat([decode_linear(p, x2) for p in (self.q_proj, self.k_proj, self.v_proj)], -1)  # [B, 3C]
         C = qkv.shape[-1] // 3  # H * K, or this process's heads under tensor parallelism
         before = torch.cat(cache_layer.conv_states, 1).to(qkv.dtype)  # [B, 3C, kernel - 1]
         window = torch.cat((before, qkv.unsqueeze(-1)), -1)  # [B, 3C, kernel]
@@ -364,15 +399,16 @@ class KDAHybridDeltaAttention(nn.Module):
 
     def _gates(self, x):
         B, T, _ = x.shape
-        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(B, T, -1, self.head_dim), self.A_log, self.dt_bias,
-                     self.gate_lower_bound)
-        return g, torch.sigmoid(self.b_proj(x).float())  # log decay [B, T, H, K], beta [B, T, H]
+        f = decode_linear(self.f_b_proj, decode_linear(self.f_a_proj, x))
+        g = kda_gate(f.view(B, T, -1, self.head_dim), self.A_log, self.dt_bias, self.gate_lower_bound)
+        return g, torch.sigmoid(decode_linear(self.b_proj, x).float())  # log decay [B, T, H, K], beta [B, T, H]
 
     def _output(self, x, o):
         B, T, _ = x.shape
-        gate = self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
+        gate = decode_linear(self.g_proj, x) if self.full_rank_gate else \
+            decode_linear(self.g_b_proj, decode_linear(self.g_a_proj, x))
         gate = gate.view(B, T, -1, self.head_dim)
-        return self.o_proj(self.o_norm(o, gate).reshape(B, T, -1))  # [B, T, H*V] -> [B, T, D]
+        return decode_linear(self.o_proj, self.o_norm(o, gate).reshape(B, T, -1))  # [B, T, H*V] -> [B, T, D]
 
     def _forward_packed(self, hidden_states, cu_seqlens):
         B, T, D = hidden_states.shape
@@ -554,6 +590,9 @@ class KDAHybridMLAttention(_CausalThroughNonFinite, nn.Module):
     the module (test_ecosystem.py: decode == full forward under LoRA, offload and quantisation).
     """
 
+    DECODE_LINEARS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "g_proj", "o_proj")  # kv_b_proj:
+    # its weight is read directly (absorbed into the queries) when plain
+
     def __init__(self, config: KDAHybridConfig, layer_idx: int):
         super().__init__()
         self.config = config
@@ -586,8 +625,8 @@ class KDAHybridMLAttention(_CausalThroughNonFinite, nn.Module):
     def _out(self, hidden_states, out):
         """The attention output [B, T, H * v] -> [B, T, D]: o_proj, after K3's sigmoid output gate if any."""
         if self.output_gate:
-            out = out * torch.sigmoid(self.g_proj(hidden_states))
-        return self.o_proj(out)
+            out = out * torch.sigmoid(decode_linear(self.g_proj, hidden_states))
+        return decode_linear(self.o_proj, out)
 
     def _attend(self, hidden_states, attention_mask=None, cache_layer: KVLayerState | None = None,
                 cu_seqlens: torch.Tensor | None = None, path: str = "masked", output_attentions: bool = False,
@@ -599,11 +638,12 @@ class KDAHybridMLAttention(_CausalThroughNonFinite, nn.Module):
             raise ValueError(f"MLA attention path must be one of {ATTENTION_PATHS}, got {path!r}")
         B, T, _ = hidden_states.shape
         if self.q_lora_rank is None:
-            q = self.q_proj(hidden_states)
+            q = decode_linear(self.q_proj, hidden_states)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+            q = decode_linear(self.q_b_proj, self.q_a_layernorm(decode_linear(self.q_a_proj, hidden_states)))
         q = q.view(B, T, -1, self.qk_head_dim).transpose(1, 2)  # [B, H, T, Dqk]; H: this process's heads
-        latent, k_rot = self.kv_a_proj_with_mqa(hidden_states).split([self.kv_lora_rank, self.qk_rope_head_dim], -1)
+        latent, k_rot = decode_linear(self.kv_a_proj_with_mqa, hidden_states).split(
+            [self.kv_lora_rank, self.qk_rope_head_dim], -1)
         latent = self.kv_a_layernorm(latent).unsqueeze(1)  # [B, 1, T, r]
         k_rot = k_rot.unsqueeze(1)  # [B, 1, T, rope]
         if cache_layer is not None:
@@ -719,6 +759,8 @@ class KDAHybridAttention(_CausalThroughNonFinite, nn.Module):
     biases (Qwen2: q/k/v only), optional per-head RMSNorm of queries and keys before RoPE (Qwen3), a head_dim
     that need not be hidden_size / heads."""
 
+    DECODE_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
     def __init__(self, config: KDAHybridConfig, layer_idx: int):
         super().__init__()
         self.config = config
@@ -749,9 +791,9 @@ class KDAHybridAttention(_CausalThroughNonFinite, nn.Module):
         if path not in ("masked", "packed"):
             raise ValueError(f"GQA attention takes path 'masked' or 'packed', got {path!r}")
         B, T, _ = hidden_states.shape
-        q = self.q_proj(hidden_states).view(B, T, -1, self.head_dim)  # [B, T, H, D]
-        k = self.k_proj(hidden_states).view(B, T, -1, self.head_dim)  # [B, T, H_kv, D]
-        v = self.v_proj(hidden_states).view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, H_kv, T, D]
+        q = decode_linear(self.q_proj, hidden_states).view(B, T, -1, self.head_dim)  # [B, T, H, D]
+        k = decode_linear(self.k_proj, hidden_states).view(B, T, -1, self.head_dim)  # [B, T, H_kv, D]
+        v = decode_linear(self.v_proj, hidden_states).view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, H_kv, T, D]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
@@ -769,7 +811,7 @@ class KDAHybridAttention(_CausalThroughNonFinite, nn.Module):
             out, weights = _attention_interface(self.config)(
                 self, q, k, v, attention_mask, dropout=dropout, scaling=self.scaling, **kwargs,
             )
-        return self.o_proj(out.reshape(B, T, -1)), weights if output_attentions else None
+        return decode_linear(self.o_proj, out.reshape(B, T, -1)), weights if output_attentions else None
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -799,6 +841,8 @@ def _swiglu(gate, up):
 
 
 class KDAHybridMLP(nn.Module):
+    DECODE_LINEARS = ("gate_proj", "up_proj", "down_proj")
+
     def __init__(self, hidden_size: int, intermediate_size: int, act: Callable = _swiglu):
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
@@ -807,7 +851,8 @@ class KDAHybridMLP(nn.Module):
         self.act = act
 
     def forward(self, x):
-        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+        gate, up = decode_linear(self.gate_proj, x), decode_linear(self.up_proj, x)
+        return decode_linear(self.down_proj, self.act(gate, up))
 
 
 class MXFP4Linear(nn.Module):

@@ -40,6 +40,8 @@ from .layers_kda_hybrid import (
     KDAHybridRotaryEmbedding,
     KDAHybridRouter,
     KDALayerInputs,
+    compiled_matvec,
+    decode_linear,
     glu_activation,
     packed_cu_seqlens,
 )
@@ -190,6 +192,11 @@ class _BlockStream(_SumStream):
         return attn_res_read(model.output_attn_res_norm, model.output_attn_res_proj, self.blocks, self.hidden)
 
 
+# Weights below this take the column-major layout even with prepare_cpu_decode(compiled=True): a compiled call costs
+# about 20 us before it reads anything, more than BLAS loses on a small matrix (bench_matvec_layout.py --compiled)
+COMPILED_MATVEC_MIN_BYTES = 2**20
+
+
 def _column_major(w: torch.Tensor) -> bool:
     """Whether a [out, in] weight (out > 1) is laid out column-major, as prepare_cpu_decode() leaves it."""
     return w.dim() == 2 and w.shape[0] > 1 and w.stride() == (1, w.shape[0])
@@ -229,27 +236,59 @@ class KDAHybridPreTrainedModel(PreTrainedModel):
                 for w in relaid:
                     _lay_column_major(w)
 
-    def prepare_cpu_decode(self) -> int:
-        """Lay out, in place, every plain `nn.Linear` weight on the CPU whose output is at least as wide as its input
-        column-major (the same [out, in] tensor, transposed strides): a one-token matrix-vector product then streams
-        the weight as `x @ W.T` over contiguous rows of W.T, which CPU BLAS reads about 2x faster than the short
-        rows of W (`python benchmarks/bench_matvec_layout.py` on the x86 development machine: 11.9 vs 22.8 GB/s
-        for a 49152 x 576 head, 11.5 vs 18.6 for 1536 x 576); narrowing matrices (e.g. an MLP's down projection)
-        read faster as they are and stay. Values are unchanged, prefill (matrix-matrix) is not slower, and nothing
-        else needs to know: modules, parameters, state_dict keys and tied weights stay the same objects;
-        `save_pretrained` writes the same files. Loading gives the usual layout again, so call this after
-        `from_pretrained` (and after a `.to(...)`). Quantised or wrapped weights (tensor subclasses, meta, other
-        devices) are left as they are. Returns how many weights were laid out."""
+    def prepare_cpu_decode(self, compiled: bool = False) -> int:
+        """Make one-token decode on the CPU read the weights faster; values unchanged up to the order of sums, and
+        nothing else needs to know: modules, parameters, state_dict keys and tied weights stay the same objects,
+        `save_pretrained` writes the same files, prefill (matrix-matrix) is not slower. Call it after
+        `from_pretrained` (and after a `.to(...)`); loading gives the usual model again. Quantised or wrapped
+        weights (tensor subclasses, meta, other devices) are left as they are. Returns how many weights it changed.
+
+        compiled=False: every plain `nn.Linear` weight on the CPU whose output is at least as wide as its input is
+        laid out column-major (the same [out, in] tensor, transposed strides): a one-token product then streams the
+        weight as `x @ W.T` over contiguous rows of W.T, which CPU BLAS reads about 2x faster than the short rows of
+        W (`python benchmarks/bench_matvec_layout.py`: 11.9 vs 22.8 GB/s for a 49152 x 576 head); narrowing
+        matrices (an MLP's down projection) read faster as they are and stay.
+
+        compiled=True: every plain CPU Linear of at least COMPILED_MATVEC_MIN_BYTES that a layer routes through
+        `decode_linear` (its class's DECODE_LINEARS: the projections of KDA, MLA and GQA layers, dense MLPs and shared
+        experts, the LM head; not routed experts) keeps (or gets back) the usual
+        layout and computes one token through one torch.compile'd kernel (`layers_kda_hybrid.decode_linear`), which
+        reads the usual layout at 16-25 GB/s here, narrowing matrices included (`python
+        benchmarks/bench_matvec_layout.py --compiled`); smaller weights get the layout above. Decode on the 179M
+        SmolLM2 shape: 70.0 ms eager, 55.6 laid out, 52.0 compiled at 256 tokens; 78.3 / 63.4 / 58.6 at 4K
+        (benchmarks/results/cpu_engines_compiled_matvec.md). The kernel is
+        compiled here, once per process (inductor caches it on disk for the next), so that the first generate()
+        pays nothing; it needs what torch.compile needs on the CPU (a C++ compiler). If compiling fails, a warning
+        says why and the layout above applies to every weight."""
+        linears = []
+        for module in self.modules():
+            w = getattr(module, "weight", None) if isinstance(module, nn.Linear) else None
+            if type(w) is nn.Parameter and type(w.data) is torch.Tensor and w.device.type == "cpu" \
+                    and w.layout == torch.strided and w.is_floating_point() and w.dim() == 2:
+                linears.append(module)
+        routed = {id(getattr(m, name)) for m in self.modules() for name in getattr(type(m), "DECODE_LINEARS", ())
+                  if isinstance(getattr(m, name, None), nn.Linear)}  # the ones whose forwards call decode_linear
+        fast = [m for m in linears if id(m) in routed and m.weight.numel() * m.weight.element_size()
+                >= COMPILED_MATVEC_MIN_BYTES]
         done = 0
         with torch.no_grad():
-            for module in self.modules():
-                if not isinstance(module, nn.Linear) or module.out_features < module.in_features:
-                    continue
+            if compiled and fast:
+                try:
+                    for shape, dtype in {(tuple(m.weight.shape), m.weight.dtype) for m in fast}:  # compile now
+                        compiled_matvec()(torch.zeros(shape[1], dtype=dtype), torch.zeros(shape, dtype=dtype))
+                except Exception as err:  # no C++ compiler, an unsupported platform, ...
+                    warnings.warn(f"prepare_cpu_decode(compiled=True): torch.compile failed ({type(err).__name__}: "
+                                  f"{err}); laying the weights out column-major instead", stacklevel=2)
+                    fast = []
+                for module in fast:
+                    if _column_major(module.weight):  # laid out by an earlier call: the kernel reads rows
+                        module.weight.data = module.weight.data.contiguous()
+                    module._decode_matvec = True
+                    done += 1
+                linears = [m for m in linears if m not in fast]
+            for module in linears:
                 w = module.weight
-                if type(w) is not nn.Parameter or type(w.data) is not torch.Tensor or w.device.type != "cpu" \
-                        or w.layout != torch.strided or not w.is_floating_point() or w.dim() != 2:
-                    continue
-                if not _column_major(w):  # a tied weight is laid out once
+                if module.out_features >= module.in_features and not _column_major(w):  # a tied weight once
                     _lay_column_major(w)
                     done += 1
         return done
@@ -605,6 +644,7 @@ class KDAHybridForCausalLM(KDAHybridPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}  # the base model's plan is in KDAHybridConfig
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+    DECODE_LINEARS = ("lm_head",)
 
     def __init__(self, config: KDAHybridConfig):
         super().__init__(config)
@@ -704,7 +744,7 @@ class KDAHybridForCausalLM(KDAHybridPreTrainedModel, GenerationMixin):
         )
         hidden_states = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.lm_head(hidden_states[:, keep, :])
+        logits = decode_linear(self.lm_head, hidden_states[:, keep, :])
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)

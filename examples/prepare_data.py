@@ -91,6 +91,28 @@ def read_chats(path: Path) -> list[tuple[list[dict], bool]]:
     return chats
 
 
+def read_texts(path: Path) -> list[str]:
+    """The documents of a JSON lines file of {"text": ...} or {"seed": ..., "text": ...} (teacher_corpus.py's
+    continuations: the seed, a space, the teacher's continuation as stored, stripped); ValueError naming the line of
+    anything else."""
+    texts = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not JSON ({e})") from None
+        if not (isinstance(record, dict) and isinstance(record.get("text"), str) and record["text"].strip()
+                and isinstance(record.get("seed", ""), str)):
+            raise ValueError(f"{path}:{n}: expected an object with a non-empty string 'text' (and an optional "
+                             "string 'seed')")
+        texts.append(f"{record['seed']} {record['text']}" if record.get("seed") else record["text"])
+    if not texts:
+        raise ValueError(f"{path}: no texts")
+    return texts
+
+
 def render_chat(tokenizer, messages: list[dict], complete: bool) -> str:
     """The chat through the tokenizer's template; a reply cut short ends without its end-of-turn (the template's
     prompt for the assistant turn, then the reply), so no document teaches a turn to end where the teacher's did
@@ -103,12 +125,14 @@ def render_chat(tokenizer, messages: list[dict], complete: bool) -> str:
 
 def prepare(out: Path, source: Path | None = None, pattern: str = "**/*.py", tokenizer_path: str | None = None,
             vocab_size: int = 2048, max_files: int | None = None, pydoc: bool = False,
-            document_token: str | None = None, chats: Path | None = None, chat_repeat: int = 1) -> dict:
+            document_token: str | None = None, chats: Path | None = None, chat_repeat: int = 1,
+            texts: Path | None = None) -> dict:
     if chat_repeat < 1:
         raise ValueError(f"--chat-repeat must be >= 1, got {chat_repeat}")
     if chats is not None and not tokenizer_path:
         raise ValueError("--chats needs --tokenizer (a checkpoint whose tokenizer has a chat template)")
     chat_messages = read_chats(chats) if chats is not None else []
+    extra_texts = read_texts(texts) if texts is not None else []
     root = source or stdlib_root()
     files = corpus_files(root, pattern)[:max_files]
     splits: dict[str, list[str]] = {"train": [], "val": []}
@@ -136,13 +160,14 @@ def prepare(out: Path, source: Path | None = None, pattern: str = "**/*.py", tok
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=True)
     else:
         tokenizer = train_tokenizer(splits["train"], vocab_size)
-    if chat_messages:
-        if not getattr(tokenizer, "chat_template", None):
+    if chat_messages or extra_texts:
+        if chat_messages and not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"--chats: the tokenizer of {tokenizer_path} has no chat template")
         rendered = [render_chat(tokenizer, messages, complete) for messages, complete in chat_messages]
         train = list(zip(splits["train"], names["train"])) + [
-            (text, f"chat:{i}") for _ in range(chat_repeat) for i, text in enumerate(rendered)]
-        # chats spread over the rows instead of filling the last ones (an epoch's row order is a permutation anyway)
+            (text, f"chat:{i}") for _ in range(chat_repeat) for i, text in enumerate(rendered)] + [
+            (text, f"text:{i}") for i, text in enumerate(extra_texts)]
+        # chats and texts spread over the rows instead of filling the last ones (an epoch's row order is a permutation)
         order = np.random.default_rng(CHAT_SHUFFLE_SEED).permutation(len(train))
         splits["train"] = [train[i][0] for i in order]
         names["train"] = [train[i][1] for i in order]
@@ -166,15 +191,18 @@ def prepare(out: Path, source: Path | None = None, pattern: str = "**/*.py", tok
         prose = [n.startswith("pydoc_data/topics/") for n in names["val"]]
         parts["val_code"] = [t for t, p in zip(splits["val"], prose) if not p]
         parts["val_prose"] = [t for t, p in zip(splits["val"], prose) if p]
-    for split, texts in parts.items():
-        tokens = encode_documents(tokenizer, texts, doc_id)
+    for split, docs in parts.items():
+        tokens = encode_documents(tokenizer, docs, doc_id)
         tokens.tofile(out / f"{split}.bin")
-        meta[split] = {"files": len(texts), "bytes": sum(len(t.encode()) for t in texts), "tokens": int(tokens.size),
+        meta[split] = {"files": len(docs), "bytes": sum(len(t.encode()) for t in docs), "tokens": int(tokens.size),
                        "sha1": hashlib.sha1(tokens.tobytes()).hexdigest()}
     meta["val"]["names"] = names["val"]
     if chat_messages:
         meta["train"]["chats"] = {"file": str(chats), "sha1": hashlib.sha1(chats.read_bytes()).hexdigest(),
                                   "count": len(chat_messages), "repeat": chat_repeat}
+    if extra_texts:
+        meta["train"]["texts"] = {"file": str(texts), "sha1": hashlib.sha1(texts.read_bytes()).hexdigest(),
+                                  "count": len(extra_texts)}
     (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     return meta
 
@@ -196,10 +224,12 @@ def main(argv=None):
                                               "chat_distill_data.py) to add to the training split through the "
                                               "tokenizer's chat template; the training documents are then shuffled")
     p.add_argument("--chat-repeat", type=int, default=1, help="each chat joins the training split this many times")
+    p.add_argument("--texts", type=Path, help="JSON lines of {\"text\"} or {\"seed\", \"text\"} documents "
+                                              "(teacher_corpus.py's continuations) to add to the training split")
     args = p.parse_args(argv)
     try:
         meta = prepare(args.out, args.source, args.glob, args.tokenizer, args.vocab_size, args.max_files,
-                       args.pydoc, args.document_token, args.chats, args.chat_repeat)
+                       args.pydoc, args.document_token, args.chats, args.chat_repeat, args.texts)
     except ValueError as e:  # bad input: one line, before anything is written
         p.error(str(e))
     for split in [k for k in ("train", "val", "val_code", "val_prose") if k in meta]:

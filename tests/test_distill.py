@@ -285,6 +285,41 @@ def test_prepare_data_chats_join_the_training_split_through_the_chat_template(tm
     assert r.returncode != 0 and "chats.jsonl:4" in r.stderr and not (tmp_path / "bad").exists()
 
 
+def test_prepare_data_texts_join_the_training_split_as_documents(tmp_path):
+    """--texts: each {"seed", "text"} line is one training document, the seed and the text joined by a space (the
+    teacher corpus's continuations), {"text"} alone as it is; the held-out splits are the corpus's own; a bad line is
+    refused before anything is written."""
+    from transformers import AutoTokenizer
+
+    from kda_hybrid.train.data import load_tokens
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(150):
+        (src / f"m{i:03d}.py").write_text(f"def f_{i}(x):\n    return x + {i}\n")
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text(json.dumps({"seed": "Once upon a", "text": "time there was x.", "complete": True}) + "\n"
+                     + json.dumps({"text": "A plain document."}) + "\n")
+
+    def prepare(out, check=True):
+        return subprocess.run([sys.executable, str(REPO / "examples" / "prepare_data.py"), "--out", str(out),
+                               "--source", str(src), "--vocab-size", "300", "--document-token", "<|pad|>",
+                               "--texts", str(texts)], capture_output=True, text=True, check=check,
+                              env={**os.environ, "PYTHONPATH": str(REPO)})
+
+    out = tmp_path / "data"
+    prepare(out)
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["train"]["texts"]["count"] == 2
+    text = AutoTokenizer.from_pretrained(out).decode(load_tokens(out / "train.bin").tolist())
+    assert text.count("<|pad|>Once upon a time there was x.<|pad|>") == 1
+    assert text.count("<|pad|>A plain document.<|pad|>") == 1
+    assert text.count("return x + 7\n") == 1
+    texts.write_text(texts.read_text() + '{"seed": "no text"}\n')
+    r = prepare(tmp_path / "bad", check=False)
+    assert r.returncode != 0 and "texts.jsonl:3" in r.stderr and not (tmp_path / "bad").exists()
+
+
 def test_calibration_scales_each_kda_head_to_the_teachers_rms(setup):
     """calibrate_kda_outputs: per KDA layer and head, the factor is the RMS of the head's share of the teacher's
     o_proj output over the student's (measured here with the test's own hooks), applied to that head's o_proj

@@ -272,6 +272,9 @@ def parse_args(argv=None):
     p.add_argument("--calibrate-rows", type=int, default=0,
                    help="before training, scale each KDA head's output to the RMS of the teacher's attention head "
                         "on this many training rows (0: off; for a student fresh from the converter)")
+    p.add_argument("--inherited-lr-ratio", type=float, default=None,
+                   help="stage 2 with --trainable all: the weights the student inherited from the teacher (all but "
+                        "its KDA layers) train at this fraction of --lr, the new KDA layers at --lr")
     p.add_argument("--trainable", choices=("all", "kda"), default="all",
                    help="stage 2: train every weight, or the KDA layers only (the rest stays the teacher's, so "
                         "the student ships as the teacher plus its KDA layers: python -m kda_hybrid.conversion.delta)")
@@ -280,6 +283,10 @@ def parse_args(argv=None):
         p.error("--temperature must be > 0 and --kl-weight, --ce-weight, --lora-rank, --calibrate-rows >= 0")
     if args.lora_rank and args.trainable == "kda":
         p.error("--lora-rank and --trainable kda are two different choices of what trains; pick one")
+    if args.inherited_lr_ratio is not None and (args.stage != 2 or args.trainable != "all" or args.lora_rank
+                                                or not 0 < args.inherited_lr_ratio <= 1):
+        p.error("--inherited-lr-ratio takes a ratio in (0, 1] and applies to stage 2 with --trainable all and no "
+                "--lora-rank (--trainable kda freezes the inherited weights)")
     if args.stage == 1 and args.lora_rank:
         p.error("--lora-rank applies to stage 2 (stage 1 trains the KDA layers whole)")
     if args.fsdp and args.lora_rank:
@@ -304,7 +311,24 @@ def main(argv=None) -> dict:
                              LogitDistillation(teacher, args.temperature, args.kl_weight, args.ce_weight))
         return state["loss"](model, batch)
 
-    return fit(args, build, loss_fn=loss)
+    lr_scale = None
+    if args.inherited_lr_ratio is not None:
+        def lr_scale(name: str) -> float:
+            layer = _layer_of(name)
+            new = layer is not None and ".self_attn." in name and \
+                state["student"].config.layer_types[layer] == "linear_attention"
+            return 1.0 if new else args.inherited_lr_ratio
+
+    return fit(args, build, loss_fn=loss, lr_scale=lr_scale)
+
+
+def _layer_of(name: str) -> int | None:
+    """The decoder layer index in a parameter name (`...layers.{i}.`), or None."""
+    parts = name.split(".")
+    for a, b in zip(parts, parts[1:]):
+        if a == "layers" and b.isdigit():
+            return int(b)
+    return None
 
 
 if __name__ == "__main__":

@@ -155,6 +155,42 @@ def test_stage_2_trainable_kda_changes_only_the_kda_layers(setup, tmp_path):
     assert changed and all(n.startswith(("model.layers.0.self_attn.", "model.layers.2.self_attn.")) for n in changed)
 
 
+def test_stage_2_inherited_lr_ratio_scales_the_steps_of_the_inherited_weights(setup, tmp_path):
+    """--inherited-lr-ratio 0.25: one AdamW step moves each weight by about its learning rate (Adam's first update is
+    lr * sign of the gradient), so the largest change of the inherited weights (embeddings, attention layer, MLPs,
+    norms) is a quarter of the largest change of the new KDA layers'; with the ratio off both move by lr."""
+    root, _ = setup
+
+    def largest_changes(out, *extra):
+        run_example("distill.py", *distill_args(setup, 2, root / "student", out, "--steps", "1", "--eval-every", "0",
+                                                "--weight-decay", "0", *extra))
+        before = load_file(root / "student" / "model.safetensors")
+        after = load_file(out / "final" / "model.safetensors")
+        kda = ("model.layers.0.self_attn.", "model.layers.2.self_attn.")  # kAkA
+        change = {n: float((after[n].float() - before[n].float()).abs().max()) for n in before}
+        return (max(v for n, v in change.items() if n.startswith(kda)),
+                max(v for n, v in change.items() if not n.startswith(kda)))
+
+    new, inherited = largest_changes(tmp_path / "scaled", "--inherited-lr-ratio", "0.25")
+    assert new == pytest.approx(1e-2, rel=0.02) and inherited == pytest.approx(0.25e-2, rel=0.02)
+    new, inherited = largest_changes(tmp_path / "plain")
+    assert new == pytest.approx(1e-2, rel=0.02) and inherited == pytest.approx(1e-2, rel=0.02)
+
+
+def test_inherited_lr_ratio_is_refused_where_it_means_nothing(setup, tmp_path):
+    root, _ = setup
+    distill = _distill_module()
+    for extra in (["--trainable", "kda"], ["--lora-rank", "4"], ["--inherited-lr-ratio", "0"]):
+        args = distill_args(setup, 2, root / "student", tmp_path / "x", *extra)
+        if "--inherited-lr-ratio" not in extra:
+            args += ["--inherited-lr-ratio", "0.5"]
+        with pytest.raises(SystemExit):
+            distill.parse_args(args)
+    with pytest.raises(SystemExit):
+        distill.parse_args(distill_args(setup, 1, root / "student", tmp_path / "x", "--inherited-lr-ratio", "0.5"))
+    assert not (tmp_path / "x").exists()
+
+
 def test_stage_1_resume_after_a_stop_equals_uninterrupted(setup, tmp_path):
     """With --calibrate-rows too: the first run calibrates, the resumed run takes the weights from its checkpoint."""
     root, _ = setup

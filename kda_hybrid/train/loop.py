@@ -35,17 +35,24 @@ def lr_at(step: int, args) -> float:
     return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def param_groups(model, weight_decay: float):
-    """Weight decay on matrices only: not on norms, biases or the KDA decay parameters (A_log, dt_bias)."""
-    decay, no_decay = [], []
+def param_groups(model, weight_decay: float, lr_scale=None):
+    """Weight decay on matrices only: not on norms, biases or the KDA decay parameters (A_log, dt_bias). `lr_scale`
+    (parameter name -> factor, default 1 for every one): each group's learning rate is the schedule's times its
+    factor (`lr_scale` in the group; the loop applies it every step)."""
+    scales = [1.0] if lr_scale is None else []
+    groups: dict[tuple[bool, float], list] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        if p.dim() < 2 or name.endswith(("A_log", "dt_bias")) or "norm" in name:
-            no_decay.append(p)
-        else:
-            decay.append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        decay = not (p.dim() < 2 or name.endswith(("A_log", "dt_bias")) or "norm" in name)
+        scale = 1.0 if lr_scale is None else float(lr_scale(name))
+        scales += [scale] * (scale not in scales)
+        groups.setdefault((decay, scale), []).append(p)
+    # without lr_scale: the decay and no-decay groups of every run so far, in that order, even when one is empty (a
+    # resumed optimizer's groups must match)
+    return [{"params": groups.get((decay, scale), []), "weight_decay": weight_decay if decay else 0.0,
+             "lr_scale": scale} for scale in scales for decay in (True, False)
+            if lr_scale is None or (decay, scale) in groups]
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -159,8 +166,9 @@ def resumable_checkpoint(out: Path) -> Path | None:
     return best
 
 
-def fit(args, build_model, *, loss_fn=None) -> dict:
-    """Train `build_model(meta)` as the module docstring says; returns {step, log, params}."""
+def fit(args, build_model, *, loss_fn=None, lr_scale=None) -> dict:
+    """Train `build_model(meta)` as the module docstring says (`lr_scale`: param_groups'); returns {step, log,
+    params}."""
     loss_fn = loss_fn or loss_sum
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -197,7 +205,7 @@ def fit(args, build_model, *, loss_fn=None) -> dict:
     model_cls = type(model.get_base_model()) if hasattr(model, "get_base_model") else type(model)  # peft: the base
     if args.fsdp:
         model = shard_model(model, accelerator)  # before the optimizer, which must hold the sharded parameters
-    optimizer = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95),
+    optimizer = torch.optim.AdamW(param_groups(model, args.weight_decay, lr_scale), lr=args.lr, betas=(0.9, 0.95),
                                   eps=1e-8)
     if not args.fsdp:
         model, optimizer = accelerator.prepare(model, optimizer)
@@ -263,7 +271,7 @@ def fit(args, build_model, *, loss_fn=None) -> dict:
         mine = rows[rank * per_rank:(rank + 1) * per_rank]
         lr = lr_at(step, args)
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)
         local = torch.zeros((), dtype=torch.float64)
         local_parts: dict[str, torch.Tensor] = {}
         micro = [mine[i:i + args.micro_batch_size] for i in range(0, per_rank, args.micro_batch_size)]

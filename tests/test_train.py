@@ -202,6 +202,23 @@ def test_resume_equals_uninterrupted(data, single_run, tmp_path):
     assert train_losses(tmp_path) == train_losses(single_run)  # the log holds each step once
 
 
+def test_milestones_keep_the_model_of_their_step(data, tmp_path):
+    """--milestones 1 2: step-2/ holds the model after step 2 as a run of --steps 2 saves its final/ (a constant
+    learning rate here: the schedule does not depend on --steps), and the run ends as one without milestones."""
+    flat = ("--min-lr-ratio", "1", "--warmup", "0")
+    run_train(*train_args(data, tmp_path / "kept", "--milestones", "1", "2", *flat))
+    run_train(*train_args(data, tmp_path / "two", *flat, "--steps", "2"))
+    run_train(*train_args(data, tmp_path / "three", *flat))
+    kept = tmp_path / "kept"
+    assert sorted(p.name for p in kept.iterdir() if p.name.startswith("step-")) == ["step-1", "step-2"]
+    two = load_file(tmp_path / "two" / "final" / "model.safetensors")
+    at_two = load_file(kept / "step-2" / "model.safetensors")
+    assert all(torch.equal(at_two[k], two[k]) for k in two)
+    assert (kept / "step-2" / "config.json").exists() and (kept / "step-2" / "tokenizer.json").exists()
+    three, final = final_params(tmp_path / "three"), final_params(kept)
+    assert all(torch.equal(final[k], three[k]) for k in three)
+
+
 @pytest.mark.parametrize("left", ["checkpoint.tmp", "checkpoint.old"])
 def test_resume_after_a_kill_between_the_checkpoint_renames(data, single_run, tmp_path, left):
     """A run killed while a new checkpoint replaces the old one leaves it as checkpoint.tmp (complete, not yet

@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import shutil
 import time
 from pathlib import Path
@@ -136,6 +137,20 @@ def save_final(accelerator, model, model_cls, args, out: Path):
     )
     fresh.save_pretrained(out, safe_serialization=True)
     AutoTokenizer.from_pretrained(args.data).save_pretrained(out)
+
+
+def save_milestone(accelerator, model, model_cls, args, folder: Path):
+    """save_final into `folder` through a sibling `.tmp` folder renamed when complete: a folder that exists is whole
+    (a kill while writing leaves only the .tmp, which the next save replaces)."""
+    tmp = folder.with_name(folder.name + ".tmp")
+    if accelerator.is_main_process and tmp.exists():
+        shutil.rmtree(tmp)
+    save_final(accelerator, model, model_cls, args, tmp)
+    if accelerator.is_main_process:
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+    accelerator.wait_for_everyone()
 
 
 def gradient_sync(accelerator, model, sync: bool, fsdp: bool):
@@ -306,6 +321,8 @@ def fit(args, build_model, *, loss_fn=None, lr_scale=None) -> dict:
                                    micro_batch_size=args.micro_batch_size, bos_id=bos_id, max_rows=args.eval_rows)
             write_log({"step": step, "val_loss": round(val_loss, 5), "val_ppl": round(math.exp(val_loss), 3)})
             accelerator.print(f"\nstep {step}: val loss {val_loss:.4f}, ppl {math.exp(val_loss):.2f}")
+        if step in args.milestones and step < args.steps:  # a model kept at this step (the last one is final/)
+            save_milestone(accelerator, model, model_cls, args, out / f"step-{step}")
         out_of_time = deadline is not None and time.perf_counter() > deadline
         if step == args.steps or out_of_time or (args.save_every and step % args.save_every == 0):
             save_checkpoint(step)
@@ -352,6 +369,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--eval-every", type=int, default=100, help="validation every N steps and at the end (0: never)")
     p.add_argument("--eval-rows", type=int, default=0, help="validate on the first N rows only (0: all)")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (always at the end)")
+    p.add_argument("--milestones", type=int, nargs="*", default=[],
+                   help="also save the model as it is after these steps into --out/step-N (as final/ is saved)")
     p.add_argument("--resume", action="store_true", help="continue from --out/checkpoint when it exists")
     p.add_argument("--max-minutes", type=float, default=0, help="checkpoint and stop after this much wall time")
     p.add_argument("--save-dtype", choices=("fp32", "bf16", "fp16"), default="fp32")

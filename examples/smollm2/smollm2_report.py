@@ -5,12 +5,16 @@
         --json docs/records/smollm2/smollm2_metrics.json --transcripts docs/records/smollm2/smollm2_transcripts.md
 
 For every model (the first --model is the teacher), on data none of them trained on (prepare_data.py --pydoc's
-held-out split):
+held-out split; with --heldout-chats, teacher_corpus.py's held-out prompts and replies):
 - NLL per token on held-out prose (pydoc_data topics) and held-out code (stdlib files), each as a ratio to the
-  teacher's;
-- greedy agreement with the teacher: per chat prompt (through the chat template), the fraction of the first
-  --new-tokens generated tokens identical to the teacher's at the same position (a sequence that stopped counts
-  as its pad token from then on), averaged over the prompts; and the mean length of the identical prefix;
+  teacher's; with --heldout-chats also on the teacher's sampled held-out replies (reply tokens only, the prompt
+  through the chat template);
+- greedy agreement with the teacher: per chat prompt (through the chat template; --prompts, or the distinct
+  prompts of --heldout-chats), the fraction of the first --new-tokens generated tokens identical to the teacher's
+  at the same position (a sequence that stopped counts as its pad token from then on), averaged over the prompts;
+  the mean and the median length of the identical prefix (the first divergence);
+- teacher-forced top-1 agreement: the teacher's greedy reply fed to the model after the prompt, the fraction of
+  reply positions where the model's most likely token is the teacher's (pooled over prompts);
 - the cache of one sequence at 32K tokens (kda_hybrid.checkpoint_kda_hybrid.cache_bytes), as a ratio to the
   teacher's.
 --transcripts writes the full replies of the teacher and of the --transcript-models to the first
@@ -61,6 +65,52 @@ def nll(model, tokens: np.ndarray, seq_len: int, bos_id: int, max_rows: int = 0)
     return total / count
 
 
+@torch.no_grad()
+def chat_nll(model, tokenizer, chats: list[dict]) -> float:
+    """Mean NLL per reply token of held-out chats ({"user", "assistant", "complete"}): the prompt through the chat
+    template, then the reply as the template renders it (with its end of turn when the reply was complete)."""
+    total, count = 0.0, 0
+    for chat in chats:
+        user = [{"role": "user", "content": chat["user"]}]
+        prompt = tokenizer.apply_chat_template(user, add_generation_prompt=True, tokenize=False)
+        if chat.get("complete", True):
+            full = tokenizer.apply_chat_template(user + [{"role": "assistant", "content": chat["assistant"]}],
+                                                 tokenize=False)
+            if not full.startswith(prompt):
+                raise SystemExit("the chat template renders a reply that does not extend its generation prompt")
+            reply = full[len(prompt):]
+        else:
+            reply = chat["assistant"]
+        p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        r_ids = tokenizer(reply, add_special_tokens=False)["input_ids"]
+        ids = torch.tensor([p_ids + r_ids])
+        logits = model(input_ids=ids).logits[0, len(p_ids) - 1:-1]
+        total += float(torch.nn.functional.cross_entropy(logits.float(), ids[0, len(p_ids):], reduction="sum"))
+        count += len(r_ids)
+    return total / count
+
+
+def read_chats(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@torch.no_grad()
+def forced_agreement(model, tokenizer, prompts: list[str], replies: list[list[int]], pad: int) -> float:
+    """Teacher-forced top-1 agreement: each teacher reply (up to its end, pads dropped) after its prompt; the
+    fraction of reply positions where the model's argmax is the teacher's token, pooled over the prompts."""
+    same = total = 0
+    for prompt, reply in zip(prompts, replies):
+        reply = reply[:next((i for i, t in enumerate(reply) if t == pad), len(reply))]
+        if not reply:
+            continue
+        p_ids = chat_ids(tokenizer, prompt)
+        ids = torch.cat([p_ids, torch.tensor([reply])], 1)
+        guess = model(input_ids=ids).logits[0, p_ids.shape[1] - 1:-1].argmax(-1)
+        same += int((guess == torch.tensor(reply)).sum())
+        total += len(reply)
+    return same / total
+
+
 def read_prompts(path: Path) -> list[str]:
     return [line.strip() for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
 
@@ -84,6 +134,16 @@ def greedy(model, tokenizer, prompts: list[str], new_tokens: int) -> list[list[i
 
 def agreement(ours: list[list[int]], teacher: list[list[int]]) -> tuple[float, float]:
     """(mean fraction of positions identical, mean length of the identical prefix)."""
+    same, prefix = _agreement(ours, teacher)
+    return float(np.mean(same)), float(np.mean(prefix))
+
+
+def median_prefix(ours: list[list[int]], teacher: list[list[int]]) -> float:
+    """The median length of the identical prefix: the median first divergence."""
+    return float(np.median(_agreement(ours, teacher)[1]))
+
+
+def _agreement(ours, teacher) -> tuple[list[float], list[int]]:
     same = [np.mean([a == b for a, b in zip(x, y)]) for x, y in zip(ours, teacher)]
     prefix = []
     for x, y in zip(ours, teacher):
@@ -91,7 +151,7 @@ def agreement(ours: list[list[int]], teacher: list[list[int]]) -> tuple[float, f
         while n < len(x) and x[n] == y[n]:
             n += 1
         prefix.append(n)
-    return float(np.mean(same)), float(np.mean(prefix))
+    return same, prefix
 
 
 TEACHER_FIGURES = ("layer_types", "nll_prose", "nll_code", "cache_32k_bytes")
@@ -124,7 +184,9 @@ def main(argv=None) -> dict:
     p.add_argument("--data", type=Path, required=True, help="a prepare_data.py --pydoc folder")
     p.add_argument("--model", action="append", required=True, metavar="NAME=FOLDER",
                    help="a checkpoint; the first one is the teacher")
-    p.add_argument("--prompts", type=Path, required=True, help="one chat prompt per line (# comments)")
+    p.add_argument("--prompts", type=Path, help="one chat prompt per line (# comments); default: the distinct "
+                                                 "prompts of --heldout-chats")
+    p.add_argument("--heldout-chats", type=Path, help="teacher_corpus.py's chats-heldout.jsonl")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--eval-rows", type=int, default=0, help="NLL on the first N rows of each split (0: all)")
@@ -138,6 +200,8 @@ def main(argv=None) -> dict:
                    help="keep the models of an existing --json that this run does not measure; the teacher is "
                         "measured again and must give the stored figures exactly, or the run stops before writing")
     args = p.parse_args(argv)
+    if args.prompts is None and args.heldout_chats is None:
+        p.error("give --prompts, --heldout-chats or both")
     torch.set_num_threads(args.threads)
     models = dict(m.split("=", 1) for m in args.model)
     unknown = [n for n in args.transcript_models or () if n not in models]
@@ -146,7 +210,8 @@ def main(argv=None) -> dict:
     meta = json.loads((args.data / "meta.json").read_text())
     bos_id = meta["bos_token_id"]
     prose, code = load_tokens(args.data / "val_prose.bin"), load_tokens(args.data / "val_code.bin")
-    prompts = read_prompts(args.prompts)
+    chats = read_chats(args.heldout_chats) if args.heldout_chats else []
+    prompts = read_prompts(args.prompts) if args.prompts else list(dict.fromkeys(c["user"] for c in chats))
     results, teacher_out, names = {}, None, list(models)
     for name, folder in models.items():
         t0 = time.perf_counter()
@@ -157,28 +222,39 @@ def main(argv=None) -> dict:
              "nll_prose": nll(model, prose, args.seq_len, bos_id, args.eval_rows),
              "nll_code": nll(model, code, args.seq_len, bos_id, args.eval_rows),
              "cache_32k_bytes": cache["kda_state"] + CONTEXT * cache["kv_per_token"]}
+        if chats:
+            r["nll_chat"] = chat_nll(model, tokenizer, chats)
         generated = greedy(model, tokenizer, prompts, args.new_tokens)
         if teacher_out is None:
             teacher_out = generated
         r["agreement"], r["agreed_prefix"] = agreement(generated, teacher_out)
+        r["median_first_divergence"] = median_prefix(generated, teacher_out)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        r["forced_top1"] = forced_agreement(model, tokenizer, prompts, teacher_out, pad)
         r["seconds"] = round(time.perf_counter() - t0, 1)
         r["measured"] = time.strftime("%Y-%m-%d")
         results[name] = r
-        print(f"{name}: NLL prose {r['nll_prose']:.3f}, code {r['nll_code']:.3f}, agreement {r['agreement']:.3f} "
-              f"(prefix {r['agreed_prefix']:.1f}), cache at 32K {format_bytes(r['cache_32k_bytes'])} "
+        chat = f", chats {r['nll_chat']:.3f}" if chats else ""
+        print(f"{name}: NLL prose {r['nll_prose']:.3f}, code {r['nll_code']:.3f}{chat}, agreement "
+              f"{r['agreement']:.3f} (prefix {r['agreed_prefix']:.1f}, median {r['median_first_divergence']:.0f}), "
+              f"teacher-forced top-1 {r['forced_top1']:.3f}, cache at 32K {format_bytes(r['cache_32k_bytes'])} "
               f"[{r['seconds']} s]", flush=True)
         del model
     if args.keep and args.json.exists():
         results = kept(json.loads(args.json.read_text())["models"], results, names[0])
     base = results[names[0]]
-    lines = ["| model | layers | NLL prose (x teacher) | NLL code (x teacher) | greedy agreement, first "
-             f"{args.new_tokens} tokens | identical prefix (tokens) | cache at 32K (x teacher) |",
-             "|---|---|---|---|---|---|---|"]
+    chat_head = " NLL held-out chats (x teacher) |" if chats else ""
+    lines = [f"| model | layers | NLL prose (x teacher) | NLL code (x teacher) |{chat_head} greedy agreement, first "
+             f"{args.new_tokens} tokens | identical prefix, mean / median | teacher-forced top-1 | cache at 32K "
+             "(x teacher) |", "|---|---|---|---|" + "---|" * bool(chats) + "---|---|---|---|"]
     for name, r in results.items():
+        chat_cell = f" {r['nll_chat']:.3f} ({r['nll_chat'] / base['nll_chat']:.2f}) |" \
+            if chats and "nll_chat" in r and "nll_chat" in base else " - |" * bool(chats)
         lines.append(f"| {name} | {r['layer_types'][:6]}... | "
                      f"{r['nll_prose']:.3f} ({r['nll_prose'] / base['nll_prose']:.2f}) "
-                     f"| {r['nll_code']:.3f} ({r['nll_code'] / base['nll_code']:.2f}) | {r['agreement']:.1%} | "
-                     f"{r['agreed_prefix']:.1f} | {format_bytes(r['cache_32k_bytes'])} "
+                     f"| {r['nll_code']:.3f} ({r['nll_code'] / base['nll_code']:.2f}) |{chat_cell} "
+                     f"{r['agreement']:.1%} | {r['agreed_prefix']:.1f} / {r.get('median_first_divergence', 0):.0f} | "
+                     f"{r.get('forced_top1', float('nan')):.1%} | {format_bytes(r['cache_32k_bytes'])} "
                      f"({r['cache_32k_bytes'] / base['cache_32k_bytes']:.2f}) |")
     table = "\n".join(lines)
     print("\n" + table)
@@ -197,7 +273,7 @@ def main(argv=None) -> dict:
                              for q in prompts[:args.transcript_prompts]]
             del model
         parts = [f"# SmolLM2-135M-Instruct and its KDA student: chat transcripts\n\nGreedy, {args.transcript_tokens} "
-                 "new tokens at most, the first prompts of examples/smollm2/chat_prompts.txt "
+                 "new tokens at most, the report's first prompts (--prompts, or the held-out chats' prompts) "
                  "(`python examples/smollm2/smollm2_report.py ...`, see docs/records/smollm2/README.md).\n"]
         for i, q in enumerate(prompts[:args.transcript_prompts]):
             parts.append(f"## {q}\n")

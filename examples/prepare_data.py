@@ -67,10 +67,10 @@ def encode_documents(tokenizer, texts: list[str], document_token: int | None = N
 CHAT_SHUFFLE_SEED = 0  # the order of the training documents when chats join them
 
 
-def read_chats(path: Path) -> list[tuple[list[dict], bool]]:
-    """The chats of a JSON lines file ({"user": ..., "assistant": ..., optional "complete": false when the reply was
-    cut short} per line) as (messages, complete); ValueError naming the line of anything else."""
-    chats = []
+def json_lines(path: Path, what: str):
+    """(line number, object) for each non-empty line of a JSON lines file; ValueError naming the line of one that is
+    not a JSON object, and the file when it holds none (`what`: "chats", "texts")."""
+    records = []
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
             continue
@@ -78,16 +78,25 @@ def read_chats(path: Path) -> list[tuple[list[dict], bool]]:
             record = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{n}: not JSON ({e})") from None
-        if not (isinstance(record, dict) and all(isinstance(record.get(k), str) and record[k].strip()
-                                                 for k in ("user", "assistant"))):
+        records.append((n, record if isinstance(record, dict) else None))
+    if not records:
+        raise ValueError(f"{path}: no {what}")
+    return records
+
+
+def read_chats(path: Path) -> list[tuple[list[dict], bool]]:
+    """The chats of a JSON lines file ({"user": ..., "assistant": ..., optional "complete": false when the reply was
+    cut short} per line) as (messages, complete); ValueError naming the line of anything else."""
+    chats = []
+    for n, record in json_lines(path, "chats"):
+        if not (record is not None and all(isinstance(record.get(k), str) and record[k].strip()
+                                           for k in ("user", "assistant"))):
             raise ValueError(f"{path}:{n}: expected an object with non-empty strings 'user' and 'assistant'")
         if not isinstance(record.get("complete", True), bool):
             raise ValueError(f"{path}:{n}: 'complete' must be true or false, got {record['complete']!r}")
         messages = [{"role": "user", "content": record["user"]},
                     {"role": "assistant", "content": record["assistant"]}]
         chats.append((messages, record.get("complete", True)))
-    if not chats:
-        raise ValueError(f"{path}: no chats")
     return chats
 
 
@@ -96,20 +105,12 @@ def read_texts(path: Path) -> list[str]:
     continuations: the seed, a space, the teacher's continuation as stored, stripped); ValueError naming the line of
     anything else."""
     texts = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n}: not JSON ({e})") from None
-        if not (isinstance(record, dict) and isinstance(record.get("text"), str) and record["text"].strip()
+    for n, record in json_lines(path, "texts"):
+        if not (record is not None and isinstance(record.get("text"), str) and record["text"].strip()
                 and isinstance(record.get("seed", ""), str)):
             raise ValueError(f"{path}:{n}: expected an object with a non-empty string 'text' (and an optional "
                              "string 'seed')")
         texts.append(f"{record['seed']} {record['text']}" if record.get("seed") else record["text"])
-    if not texts:
-        raise ValueError(f"{path}: no texts")
     return texts
 
 

@@ -189,7 +189,7 @@ FORMATS = {f.name: f for f in (
                                     f"{KDA_HYBRID!r}")),
 )}
 SOURCE_FORMATS = (KIMI_LINEAR, TRANSFORMERS, KDA_HYBRID, KIMI_K3)
-TARGET_FORMATS = (*(name for name in (KDA_HYBRID, KIMI_LINEAR, KIMI_K3) if FORMATS[name].target), GGUF)
+TARGET_FORMATS = (KDA_HYBRID, KIMI_LINEAR, KIMI_K3, GGUF)  # the three with a FolderTarget, and llama.cpp's file
 
 
 def detect_format(config: dict, tensor_names) -> str:

@@ -92,12 +92,17 @@ def test_held_out_prompts_stay_out_of_the_training_files(teacher, tmp_path):
             assert all({"user", "assistant", "complete"} <= r.keys() for r in rows)  # prepare_data.py --chats
 
 
-def test_another_teacher_or_other_settings_are_refused_before_anything_is_written(teacher, tmp_path):
+def _one_batch(teacher, tmp_path) -> tuple[Path, Path, dict[str, bytes]]:
+    """The test prompts, a corpus folder holding its first batch, and that folder's files."""
     prompts = tmp_path / "prompts.txt"
     prompts.write_text(PROMPTS)
     out = tmp_path / "c"
     _run(teacher, out, prompts, "--max-batches", "1")
-    before = _files(out)
+    return prompts, out, _files(out)
+
+
+def test_another_teacher_or_other_settings_are_refused_before_anything_is_written(teacher, tmp_path):
+    prompts, out, before = _one_batch(teacher, tmp_path)
     other = tmp_path / "other"
     shutil.copytree(teacher, other)
     model = LlamaForCausalLM.from_pretrained(other)
@@ -215,11 +220,7 @@ def test_llama_cpp_sampling_tempers_before_the_nucleus(gguf_teacher):
 
 
 def test_a_second_run_on_the_same_corpus_is_refused(teacher, tmp_path):
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text(PROMPTS)
-    out = tmp_path / "c"
-    _run(teacher, out, prompts, "--max-batches", "1")
-    before = _files(out)
+    prompts, out, before = _one_batch(teacher, tmp_path)
     held = tc.hold_lock(out)  # as a run in progress holds it
     try:
         with pytest.raises(SystemExit, match="another teacher_corpus.py run is writing"):

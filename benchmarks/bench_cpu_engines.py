@@ -139,8 +139,8 @@ def main():
     p.add_argument("--contexts", nargs="+", type=int, default=[256, 4096])
     p.add_argument("--decode", type=int, default=32, help="decode steps per context (default 32)")
     p.add_argument("--compiled", action="store_true", help="also time a torch.compile'd forward (compiles first)")
-    p.add_argument("--compiled-matvec", action="store_true",
-                   help="also a copy after prepare_cpu_decode(compiled=True) (the compiled one-token kernel)")
+    p.add_argument("--compiled-matvec", "--compiled-steps", action="store_true",
+                   help="also a copy after prepare_cpu_decode(compiled=True) (compiled layer steps and row reductions)")
     p.add_argument("--cpu-layout", action="store_true",
                    help="also time the model after prepare_cpu_decode() (wide weights column-major)")
     p.add_argument("--native-max", type=int, default=256,
@@ -173,7 +173,7 @@ def main():
                                                             dtype=torch.float32).eval()
                 laid.prepare_cpu_decode()
                 engines["ours eager, prepare_cpu_decode()"] = laid
-            if args.compiled_matvec:  # a copy whose one-token products run the compiled kernel
+            if args.compiled_matvec:  # a copy that decodes through the compiled layer steps
                 fast = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True,
                                                             dtype=torch.float32).eval()
                 started = time.perf_counter()

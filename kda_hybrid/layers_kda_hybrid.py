@@ -93,7 +93,7 @@ def _apply_keeping_fp32(module: nn.Module, apply, names: tuple[str, ...]):
     return module
 
 
-def _plain_weight(module: nn.Module, kind: type) -> torch.Tensor | None:
+def plain_weight(module: nn.Module, kind: type) -> torch.Tensor | None:
     """`module.weight` when reading it directly computes what `module(x)` computes, else None.
 
     The fast paths below (MLA weight absorption, the KDA convs as multiply-adds) read a weight outside the
@@ -147,7 +147,7 @@ def _is_row_sharded(weight: torch.Tensor) -> bool:
     return len(placements) == 1 and isinstance(placements[0], tensor_module.Shard) and placements[0].dim == 0
 
 
-def _rows_dot(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def rows_dot(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [in] . each row of w [out, in] -> [out]: a matrix-vector product written as what it reads, which
     torch.compile turns into one vectorised pass over W's rows (no BLAS call)."""
     return (x * w).sum(-1)
@@ -157,7 +157,7 @@ def _rows_dot(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def compiled_matvec() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """The one compiled matrix-vector kernel every opted-in Linear shares (dynamic sizes: one compilation serves
     every shape, a few recompilations at most)."""
-    return torch.compile(_rows_dot, dynamic=True)
+    return torch.compile(rows_dot, dynamic=True)
 
 
 def decode_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -169,7 +169,7 @@ def decode_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     wrapped, hooked or quantised Linear) takes the module's own forward."""
     if not module.__dict__.get("_decode_matvec") or x.numel() != x.shape[-1] or torch.is_grad_enabled():
         return module(x)
-    w = _plain_weight(module, nn.Linear)
+    w = plain_weight(module, nn.Linear)
     if w is None or w.dtype != x.dtype or w.device != x.device or torch.is_autocast_enabled(x.device.type):
         return module(x)
     y = compiled_matvec()(x.reshape(-1), w.detach())  # a plain tensor: a Parameter's sizes would be static guards
@@ -256,7 +256,7 @@ class KDAHybridDeltaAttention(nn.Module):
         channel-major copy first (4.6 ms in all, 1 thread), as fast at T=256, and 10x faster than a conv call for a
         decode token."""
         T = x.shape[1]
-        weight = _plain_weight(conv, nn.Conv1d)
+        weight = plain_weight(conv, nn.Conv1d)
         if weight is None:  # wrapped, hooked or quantised conv: its own forward (no padding: T outputs)
             return F.silu(conv(torch.cat((state.to(x.dtype), x.transpose(1, 2)), -1))).transpose(1, 2)
         full = torch.cat((state.transpose(1, 2).to(x.dtype), x), dim=1)  # [B, kernel - 1 + T, C]
@@ -277,7 +277,7 @@ class KDAHybridDeltaAttention(nn.Module):
         N, width = x.shape[-1], self.conv_size
         pos = torch.arange(N, device=x.device)
         doc = torch.searchsorted(cu_seqlens, pos, right=True) - 1  # document of each token
-        weight = _plain_weight(conv, nn.Conv1d)
+        weight = plain_weight(conv, nn.Conv1d)
         if weight is None:
             # wrapped, hooked or quantised conv: one call of its own forward over the documents laid out with
             # (kernel - 1) zeros before each, so no window spans two documents; output t ends at input t
@@ -375,40 +375,53 @@ class KDAHybridDeltaAttention(nn.Module):
 
     def _decode_step(self, x: torch.Tensor, cache_layer: KDALayerState) -> torch.Tensor | None:
         """forward() for one new token per row against the cached states, without padding, rollback record or
-        gradient: the same computation in a third of the tensor ops (the q/k/v convs as one multiply-add over
-        the concatenated channels, the recurrence as batched in-place products), which is what a decode step
-        costs on CPU. None when a conv is wrapped or quantised (forward() then calls its module)."""
-        convs = [_plain_weight(conv, nn.Conv1d) for conv in (self.q_conv1d, self.k_conv1d, self.v_conv1d)]
-        if any(w is None for w in convs):
+        gradient: decode_token on the cache. None when a conv is wrapped or quantised (forward() then calls its
+        module)."""
+        taps = self.conv_taps()
+        if taps is None:
             return None
+        o, conv_states, state = self.decode_token(x, taps, cache_layer.conv_states, cache_layer.recurrent_state)
+        cache_layer.update(conv_states, state)
+        return o
+
+    def conv_taps(self) -> torch.Tensor | None:
+        """The q, k, v conv weights as one [3C, kernel] tensor, or None when a conv is wrapped, hooked or quantised
+        (its own forward must run)."""
+        convs = [plain_weight(conv, nn.Conv1d) for conv in (self.q_conv1d, self.k_conv1d, self.v_conv1d)]
+        return None if any(w is None for w in convs) else torch.cat(convs)[:, 0]
+
+    def decode_token(self, x, taps, conv_before, state, linear=decode_linear):
+        """One new token per row: x [B, 1, D], taps [3C, kernel] (conv_taps), conv_before the cached q, k, v conv
+        inputs ([B, C, kernel - 1] each), state [B, H, K, V] (updated in place where the recurrence can); every
+        projection computed by `linear(module, x)`. Returns (o [B, 1, D], the new conv states, the new state).
+        The same computation as forward() in a third of the tensor ops (the q/k/v convs as one multiply-add over
+        the concatenated channels, the recurrence as batched in-place products), which is what a decode step costs
+        on CPU; also the KDA part of decode_kda_hybrid's compiled layer step."""
         B, _, D = x.shape
         K = self.head_dim
         x2 = x.view(B, D)
-        qkv = torch.cat([decode_linear(p, x2) for p in (self.q_proj, self.k_proj, self.v_proj)], -1)  # [B, 3C]
+        qkv = torch.cat([linear(p, x2) for p in (self.q_proj, self.k_proj, self.v_proj)], -1)  # [B, 3C]
         C = qkv.shape[-1] // 3  # H * K, or this process's heads under tensor parallelism
-        before = torch.cat(cache_layer.conv_states, 1).to(qkv.dtype)  # [B, 3C, kernel - 1]
+        before = torch.cat(conv_before, 1).to(qkv.dtype)  # [B, 3C, kernel - 1]
         window = torch.cat((before, qkv.unsqueeze(-1)), -1)  # [B, 3C, kernel]
         conv_states = list(window[..., 1:].clone().split(C, 1))  # the last (kernel - 1) inputs
-        qkv = F.silu((window * torch.cat(convs)[:, 0]).sum(-1)).view(B, 3, -1, K)  # [B, 3, H, K]
-        g, beta = self._gates(x)  # [B, 1, H, K], [B, 1, H]
+        qkv = F.silu((window * taps).sum(-1)).view(B, 3, -1, K)  # [B, 3, H, K]
+        g, beta = self._gates(x, linear)  # [B, 1, H, K], [B, 1, H]
         qk = l2norm(qkv[:, :2])  # q and k in one pass: what use_qk_l2norm_in_kernel does to each
-        o, state = recurrent_step(qk[:, 0], qk[:, 1], qkv[:, 2], g[:, 0], beta[:, 0],
-                                  cache_layer.recurrent_state)  # the cached state, in place
-        cache_layer.update(conv_states, state)
-        return self._output(x, o[:, None])  # o [B, H, V] -> [B, 1, D]
+        o, state = recurrent_step(qk[:, 0], qk[:, 1], qkv[:, 2], g[:, 0], beta[:, 0], state)
+        return self._output(x, o[:, None], linear), conv_states, state  # o [B, H, V] -> [B, 1, D]
 
-    def _gates(self, x):
+    def _gates(self, x, linear=decode_linear):
         B, T, _ = x.shape
-        f = decode_linear(self.f_b_proj, decode_linear(self.f_a_proj, x))
+        f = linear(self.f_b_proj, linear(self.f_a_proj, x))
         g = kda_gate(f.view(B, T, -1, self.head_dim), self.A_log, self.dt_bias, self.gate_lower_bound)
-        return g, torch.sigmoid(decode_linear(self.b_proj, x).float())  # log decay [B, T, H, K], beta [B, T, H]
+        return g, torch.sigmoid(linear(self.b_proj, x).float())  # log decay [B, T, H, K], beta [B, T, H]
 
-    def _output(self, x, o):
+    def _output(self, x, o, linear=decode_linear):
         B, T, _ = x.shape
-        gate = decode_linear(self.g_proj, x) if self.full_rank_gate else \
-            decode_linear(self.g_b_proj, decode_linear(self.g_a_proj, x))
+        gate = linear(self.g_proj, x) if self.full_rank_gate else linear(self.g_b_proj, linear(self.g_a_proj, x))
         gate = gate.view(B, T, -1, self.head_dim)
-        return decode_linear(self.o_proj, self.o_norm(o, gate).reshape(B, T, -1))  # [B, T, H*V] -> [B, T, D]
+        return linear(self.o_proj, self.o_norm(o, gate).reshape(B, T, -1))  # [B, T, H*V] -> [B, T, D]
 
     def _forward_packed(self, hidden_states, cu_seqlens):
         B, T, D = hidden_states.shape
@@ -622,11 +635,31 @@ class KDAHybridMLAttention(_CausalThroughNonFinite, nn.Module):
             self.g_proj = nn.Linear(D, Hq * self.v_head_dim, bias=False)
         self.o_proj = nn.Linear(Hq * self.v_head_dim, D, bias=config.attention_bias)
 
-    def _out(self, hidden_states, out):
+    def _out(self, hidden_states, out, linear=decode_linear):
         """The attention output [B, T, H * v] -> [B, T, D]: o_proj, after K3's sigmoid output gate if any."""
         if self.output_gate:
-            out = out * torch.sigmoid(decode_linear(self.g_proj, hidden_states))
-        return decode_linear(self.o_proj, out)
+            out = out * torch.sigmoid(linear(self.g_proj, hidden_states))
+        return linear(self.o_proj, out)
+
+    def project(self, hidden_states, position_embeddings=None, linear=decode_linear):
+        """hidden_states [B, T, D] -> (q [B, H, T, nope + rope], what the cache appends: the normed latent
+        [B, 1, T, r] and the shared key part [B, 1, T, rope]); no positions (NoPE). `linear(module, x)` computes
+        each projection."""
+        B, T, _ = hidden_states.shape
+        if self.q_lora_rank is None:
+            q = linear(self.q_proj, hidden_states)
+        else:
+            q = linear(self.q_b_proj, self.q_a_layernorm(linear(self.q_a_proj, hidden_states)))
+        q = q.view(B, T, -1, self.qk_head_dim).transpose(1, 2)  # [B, H, T, Dqk]; H: this process's heads
+        latent, k_rot = linear(self.kv_a_proj_with_mqa, hidden_states).split(
+            [self.kv_lora_rank, self.qk_rope_head_dim], -1)
+        return q, self.kv_a_layernorm(latent).unsqueeze(1), k_rot.unsqueeze(1)
+
+    def attend_cached(self, hidden_states, q, latent, k_rot, linear=decode_linear):
+        """The output [B, T, D] of queries q (project) over every cached token (latent, k_rot: the cache after
+        this step's update), no mask: one decode token per row, nothing padded (the "latent" path without a
+        mask). Reads kv_b_proj's weight directly: callers make sure it is plain."""
+        return self._out(hidden_states, self._absorbed(q, latent, k_rot, None, self.kv_b_proj.weight), linear)
 
     def _attend(self, hidden_states, attention_mask=None, cache_layer: KVLayerState | None = None,
                 cu_seqlens: torch.Tensor | None = None, path: str = "masked", output_attentions: bool = False,
@@ -637,20 +670,12 @@ class KDAHybridMLAttention(_CausalThroughNonFinite, nn.Module):
         if path not in ATTENTION_PATHS:
             raise ValueError(f"MLA attention path must be one of {ATTENTION_PATHS}, got {path!r}")
         B, T, _ = hidden_states.shape
-        if self.q_lora_rank is None:
-            q = decode_linear(self.q_proj, hidden_states)
-        else:
-            q = decode_linear(self.q_b_proj, self.q_a_layernorm(decode_linear(self.q_a_proj, hidden_states)))
-        q = q.view(B, T, -1, self.qk_head_dim).transpose(1, 2)  # [B, H, T, Dqk]; H: this process's heads
-        latent, k_rot = decode_linear(self.kv_a_proj_with_mqa, hidden_states).split(
-            [self.kv_lora_rank, self.qk_rope_head_dim], -1)
-        latent = self.kv_a_layernorm(latent).unsqueeze(1)  # [B, 1, T, r]
-        k_rot = k_rot.unsqueeze(1)  # [B, 1, T, rope]
+        q, latent, k_rot = self.project(hidden_states)  # [B, H, T, Dqk], [B, 1, T, r], [B, 1, T, rope]
         if cache_layer is not None:
             latent, k_rot = cache_layer.update(latent, k_rot)
         Tk = latent.shape[2]
         if path == "latent":
-            w = _plain_weight(self.kv_b_proj, nn.Linear)
+            w = plain_weight(self.kv_b_proj, nn.Linear)
             if w is not None:
                 return self._out(hidden_states, self._absorbed(q, latent, k_rot, attention_mask, w)), None
             # a wrapped kv_b_proj (LoRA, offload hook, quantised): expand the latent through the module instead; no
@@ -782,6 +807,31 @@ class KDAHybridAttention(_CausalThroughNonFinite, nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
+    def project(self, hidden_states, position_embeddings, linear=decode_linear):
+        """hidden_states [B, T, D] -> (q [B, H, T, D] and what the cache appends: k and v [B, H_kv, T, D]), RoPE
+        (cos, sin: position_embeddings) applied to q and k. `linear(module, x)` computes each projection."""
+        B, T, _ = hidden_states.shape
+        q = linear(self.q_proj, hidden_states).view(B, T, -1, self.head_dim)  # [B, T, H, D]
+        k = linear(self.k_proj, hidden_states).view(B, T, -1, self.head_dim)  # [B, T, H_kv, D]
+        v = linear(self.v_proj, hidden_states).view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, H_kv, T, D]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        cos, sin = position_embeddings
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+
+    def attend_cached(self, hidden_states, q, k, v, linear=decode_linear):
+        """The output [B, 1, D] of one query per row (project) over every cached key (k, v [B, H_kv, Tk, D]: the
+        cache after this step's update), no mask (nothing padded). Each KV head's query heads are the rows of one
+        product (head h reads KV head h // groups, as repeat_kv expands them), so the cache is never repeated."""
+        B, H, T, D = q.shape
+        kv_heads = k.shape[1]
+        q = q.reshape(B, kv_heads, H // kv_heads * T, D)  # T = 1: [B, H_kv, groups, D]
+        probs = F.softmax(torch.matmul(q, k.transpose(2, 3)) * self.scaling, dim=-1, dtype=torch.float32)
+        out = torch.matmul(probs.to(v.dtype), v)  # [B, H_kv, groups, D]
+        return linear(self.o_proj, out.reshape(B, T, H * D))
+
     def _attend(self, hidden_states, attention_mask=None, cache_layer: KVLayerState | None = None,
                 position_embeddings=None, cu_seqlens: torch.Tensor | None = None, path: str = "masked",
                 output_attentions: bool = False, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -791,16 +841,7 @@ class KDAHybridAttention(_CausalThroughNonFinite, nn.Module):
         if path not in ("masked", "packed"):
             raise ValueError(f"GQA attention takes path 'masked' or 'packed', got {path!r}")
         B, T, _ = hidden_states.shape
-        q = decode_linear(self.q_proj, hidden_states).view(B, T, -1, self.head_dim)  # [B, T, H, D]
-        k = decode_linear(self.k_proj, hidden_states).view(B, T, -1, self.head_dim)  # [B, T, H_kv, D]
-        v = decode_linear(self.v_proj, hidden_states).view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, H_kv, T, D]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
-        cos, sin = position_embeddings
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q, k, v = self.project(hidden_states, position_embeddings)
         if cache_layer is not None:
             k, v = cache_layer.update(k, v)
         dropout = self.config.attention_dropout if self.training else 0.0
@@ -827,6 +868,12 @@ def glu_activation(config: KDAHybridConfig) -> Callable[[torch.Tensor, torch.Ten
         return _swiglu
     beta = 1.0 if config.activation_situ_beta is None else float(config.activation_situ_beta)
     linear_beta = config.activation_situ_linear_beta
+    return _situ_glu(beta, None if linear_beta is None else float(linear_beta))
+
+
+@functools.cache
+def _situ_glu(beta: float, linear_beta: float | None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """One function per (b, c): every layer of a model shares it (a compiled decode step guards on it)."""
 
     def situ(gate, up):
         g, u = gate.float(), up.float()
@@ -850,9 +897,10 @@ class KDAHybridMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.act = act
 
-    def forward(self, x):
-        gate, up = decode_linear(self.gate_proj, x), decode_linear(self.up_proj, x)
-        return decode_linear(self.down_proj, self.act(gate, up))
+    def forward(self, x, linear=decode_linear):
+        """x [..., D] -> [..., D]; `linear(module, x)` computes each projection (decode_kda_hybrid's compiled layer
+        step passes its own)."""
+        return linear(self.down_proj, self.act(linear(self.gate_proj, x), linear(self.up_proj, x)))
 
 
 class MXFP4Linear(nn.Module):

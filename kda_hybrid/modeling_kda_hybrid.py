@@ -25,6 +25,7 @@ from transformers.utils import can_return_tuple, logging
 from .cache_kda_hybrid import KDAHybridCache
 from .checkpoint_kda_hybrid import write_checkpoint_metadata, write_model_card
 from .configuration_kda_hybrid import KDAHybridConfig
+from .decode_kda_hybrid import compile_step, fusable, layer_decode
 from .kda_torch import inverse_softplus
 from .layers_kda_hybrid import (
     ABSORB_MAX_QUERY,
@@ -84,6 +85,10 @@ class KDAHybridDecoderLayer(GradientCheckpointingLayer):
                 **kwargs):
         """hidden_states [B, T, D] -> (hidden_states [B, T, D], attention weights or None). `layer_inputs`: this
         layer kind's inputs, built once per forward by KDAHybridModel.forward."""
+        if self.__dict__.get("_compiled_decode"):  # prepare_cpu_decode(compiled=True) opted this layer in
+            out = layer_decode(self, hidden_states, layer_inputs, cache)
+            if out is not None:
+                return out, None
         residual = hidden_states
         hidden_states, weights = self._attention(self.input_layernorm(hidden_states), layer_inputs, cache)
         hidden_states = residual + hidden_states
@@ -207,6 +212,12 @@ def _lay_column_major(w: nn.Parameter) -> None:
     w.data = w.data.t().contiguous().t()
 
 
+def _row_major(w: nn.Parameter) -> None:
+    """Undo _lay_column_major (an earlier prepare_cpu_decode call): the usual layout, which compiled kernels read."""
+    if _column_major(w):
+        w.data = w.data.contiguous()
+
+
 class KDAHybridPreTrainedModel(PreTrainedModel):
     config_class = KDAHybridConfig
     config: KDAHybridConfig
@@ -249,17 +260,21 @@ class KDAHybridPreTrainedModel(PreTrainedModel):
         W (`python benchmarks/bench_matvec_layout.py`: 11.9 vs 22.8 GB/s for a 49152 x 576 head); narrowing
         matrices (an MLP's down projection) read faster as they are and stay.
 
-        compiled=True: every plain CPU Linear of at least COMPILED_MATVEC_MIN_BYTES that a layer routes through
-        `decode_linear` (its class's DECODE_LINEARS: the projections of KDA, MLA and GQA layers, dense MLPs and shared
-        experts, the LM head; not routed experts) keeps (or gets back) the usual
-        layout and computes one token through one torch.compile'd kernel (`layers_kda_hybrid.decode_linear`), which
-        reads the usual layout at 16-25 GB/s here, narrowing matrices included (`python
-        benchmarks/bench_matvec_layout.py --compiled`); smaller weights get the layout above. Decode on the 179M
-        SmolLM2 shape: 70.0 ms eager, 55.6 laid out, 52.0 compiled at 256 tokens; 78.3 / 63.4 / 58.6 at 4K
-        (benchmarks/results/cpu_engines_compiled_matvec.md). The kernel is
-        compiled here, once per process (inductor caches it on disk for the next), so that the first generate()
-        pays nothing; it needs what torch.compile needs on the CPU (a C++ compiler). If compiling fails, a warning
-        says why and the layout above applies to every weight."""
+        compiled=True: every decoder layer with a dense MLP whose modules are all plain (KDA, MLA or GQA attention;
+        not K3's Block Attention Residuals layers)
+        decodes one token through torch.compile'd graphs (decode_kda_hybrid: a KDA layer is one graph, an attention
+        layer two around its cache update), its weights in the usual layout, read by the graphs' row reductions at
+        16-25 GB/s here; a call they do not compute exactly (a batch, a mask, gradients, a hook or wrapper added
+        later, ...) takes the layer's eager step. Of the other Linears, every plain CPU one of at least
+        COMPILED_MATVEC_MIN_BYTES that a layer routes through `decode_linear` (its class's DECODE_LINEARS: MoE
+        layers' projections and shared experts, the LM head; not routed experts) computes one token through one
+        compiled row reduction (`layers_kda_hybrid.decode_linear`; `python benchmarks/bench_matvec_layout.py
+        --compiled`); smaller ones get the layout above. Decode on the 179M SmolLM2 shape: 75.9 ms eager, 31.5
+        compiled at 256 tokens (llama.cpp 29.6), 79.0 / 39.8 at 4K (1 thread;
+        benchmarks/results/cpu_engines_compiled_steps.md). Everything is compiled here, once per process (inductor
+        caches it on disk for the next; 4-15 s on the benchmark's models), so that the first generate() pays
+        nothing; it needs what torch.compile needs on the CPU (a C++ compiler). If compiling fails,
+        a warning says why and the eager steps and the layout above apply."""
         linears = []
         for module in self.modules():
             w = getattr(module, "weight", None) if isinstance(module, nn.Linear) else None
@@ -268,10 +283,15 @@ class KDAHybridPreTrainedModel(PreTrainedModel):
                 linears.append(module)
         routed = {id(getattr(m, name)) for m in self.modules() for name in getattr(type(m), "DECODE_LINEARS", ())
                   if isinstance(getattr(m, name, None), nn.Linear)}  # the ones whose forwards call decode_linear
-        fast = [m for m in linears if id(m) in routed and m.weight.numel() * m.weight.element_size()
-                >= COMPILED_MATVEC_MIN_BYTES]
         done = 0
         with torch.no_grad():
+            if compiled:  # the linears of layers that decode through one compiled step: read there, usual layout
+                stepped = {id(m) for layer in self._compile_layer_steps() for m in layer.modules()
+                           if isinstance(m, nn.Linear)}
+                done += sum(id(m) in stepped for m in linears)
+                linears = [m for m in linears if id(m) not in stepped]
+            fast = [m for m in linears if id(m) in routed and m.weight.numel() * m.weight.element_size()
+                    >= COMPILED_MATVEC_MIN_BYTES]
             if compiled and fast:
                 try:
                     for shape, dtype in {(tuple(m.weight.shape), m.weight.dtype) for m in fast}:  # compile now
@@ -281,8 +301,7 @@ class KDAHybridPreTrainedModel(PreTrainedModel):
                                   f"{err}); laying the weights out column-major instead", stacklevel=2)
                     fast = []
                 for module in fast:
-                    if _column_major(module.weight):  # laid out by an earlier call: the kernel reads rows
-                        module.weight.data = module.weight.data.contiguous()
+                    _row_major(module.weight)  # laid out by an earlier call: the kernel reads rows
                     module._decode_matvec = True
                     done += 1
                 linears = [m for m in linears if m not in fast]
@@ -292,6 +311,27 @@ class KDAHybridPreTrainedModel(PreTrainedModel):
                     _lay_column_major(w)
                     done += 1
         return done
+
+    def _compile_layer_steps(self) -> list[nn.Module]:
+        """prepare_cpu_decode(compiled=True)'s second part: every KDA decoder layer with a dense MLP, all of its
+        modules plain and on the CPU, decodes through decode_kda_hybrid's compiled layer step, compiled here on a
+        dummy token and state (the model's cache is not touched). If compiling fails, a warning says why and the
+        layers keep their eager step. Returns the layers opted in."""
+        layers = [m for m in self.modules() if type(m) is KDAHybridDecoderLayer and fusable(m)]
+        for layer in layers:
+            for m in layer.modules():
+                if isinstance(m, nn.Linear):
+                    _row_major(m.weight)
+        try:
+            for layer in layers:
+                compile_step(layer)
+        except Exception as err:  # no C++ compiler, an unsupported platform, a graph break, ...
+            warnings.warn(f"prepare_cpu_decode(compiled=True): compiling the layer steps failed "
+                          f"({type(err).__name__}: {err}); those layers keep their eager step", stacklevel=3)
+            return []
+        for layer in layers:
+            layer._compiled_decode = True
+        return layers
 
     def resize_token_embeddings(self, new_num_tokens=None, pad_to_multiple_of=None, mean_resizing=True):
         """transformers' resize, refused before any change when the new vocabulary would leave out one of the

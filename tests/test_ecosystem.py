@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from kda_hybrid.layers_kda_hybrid import _plain_weight
+from kda_hybrid.layers_kda_hybrid import plain_weight
 
 from .helpers import (
     GENERATE_TOL,
@@ -61,19 +61,19 @@ def assert_decode_is_full_forward(model, ids, n=6):
 
 def test_plain_weight_only_for_unwrapped_modules():
     linear, conv = nn.Linear(4, 6, bias=False), nn.Conv1d(6, 6, 3, groups=6, bias=False)
-    assert _plain_weight(linear, nn.Linear) is linear.weight and _plain_weight(conv, nn.Conv1d) is conv.weight
+    assert plain_weight(linear, nn.Linear) is linear.weight and plain_weight(conv, nn.Conv1d) is conv.weight
     hooked = copy.deepcopy(linear)
     hooked.register_forward_pre_hook(lambda module, args: None)
-    assert _plain_weight(hooked, nn.Linear) is None
+    assert plain_weight(hooked, nn.Linear) is None
     with torch.device("meta"):
-        assert _plain_weight(nn.Linear(4, 6), nn.Linear) is None  # offloaded: the weight lives elsewhere
+        assert plain_weight(nn.Linear(4, 6), nn.Linear) is None  # offloaded: the weight lives elsewhere
 
     class Subclass(nn.Linear):
         pass
 
-    assert _plain_weight(Subclass(4, 6), nn.Linear) is None  # a subclass may change forward
+    assert plain_weight(Subclass(4, 6), nn.Linear) is None  # a subclass may change forward
     quantised = torch.ao.quantization.quantize_dynamic(nn.Sequential(linear), {nn.Linear}, dtype=torch.qint8)[0]
-    assert _plain_weight(quantised, nn.Linear) is None
+    assert plain_weight(quantised, nn.Linear) is None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -184,7 +184,7 @@ def test_from_pretrained_disk_offload_equals_in_memory(attention, moe, tmp_path)
 @pytest.mark.parametrize("attention,moe", [OFFLOADED[1], OFFLOADED[-1]])
 def test_disk_offload_differs_from_resident_only_by_the_conv_route(attention, moe, tmp_path):
     """Forcing the resident model's KDA convs through their own forward too (a no-op forward pre-hook makes
-    _plain_weight refuse the multiply-add path) makes the disk-offloaded model bit for bit equal to it: nothing
+    plain_weight refuse the multiply-add path) makes the disk-offloaded model bit for bit equal to it: nothing
     else about offloading changes a value. Without the hooks the two differ (the route changes rounding)."""
     reference, model = _disk_offloaded(_offload_model(attention, moe), tmp_path)
     ids = prompt(B=2, T=9)
@@ -219,10 +219,10 @@ def test_accelerate_offload_utilities(how, tmp_path):
     attn, kv_b = model.model.layers[0].self_attn, model.model.layers[3].self_attn.kv_b_proj
     assert kv_b._hf_hook is not None
     if how == "resident":
-        assert _plain_weight(kv_b, nn.Linear) is kv_b.weight
+        assert plain_weight(kv_b, nn.Linear) is kv_b.weight
     else:
         assert attn.A_log.device.type == "meta" and attn.q_conv1d.weight.device.type == "meta"
-        assert kv_b.weight.device.type == "meta" and _plain_weight(kv_b, nn.Linear) is None
+        assert kv_b.weight.device.type == "meta" and plain_weight(kv_b, nn.Linear) is None
     assert_same_outputs(model, reference, prompt(B=2, T=9))
 
 

@@ -553,10 +553,15 @@ def test_prepare_cpu_decode_compiled_reads_one_token_through_the_compiled_kernel
     greedy = dict(max_new_tokens=6, do_sample=False)
     want = generate_with_logits(model, ids, **greedy)
     n = model.prepare_cpu_decode(compiled=True)
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    # the KDA layers decode through the compiled layer step (test_compiled_decode.py): their Linears are read there
+    stepped = [m for layer in model.model.layers if layer.__dict__.get("_compiled_decode") for m in layer.modules()
+               if isinstance(m, torch.nn.Linear)]
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m not in stepped]
     kv_b = {id(getattr(m, "kv_b_proj", None)) for m in model.modules()}  # MLA reads its weight directly: not routed
     fast = [m for m in linears if m.weight.numel() * 4 >= 4096 and id(m) not in kv_b]
-    assert fast and n == len(fast) + sum(m.out_features >= m.in_features for m in linears if m not in fast)
+    assert stepped and fast and n == len(stepped) + len(fast) + sum(m.out_features >= m.in_features
+                                                                    for m in linears if m not in fast)
+    assert all(m.weight.is_contiguous() for m in stepped)
     assert all(m._decode_matvec and m.weight.is_contiguous() for m in fast)
 
     real, calls = layers_kda_hybrid.compiled_matvec(), []
@@ -577,18 +582,23 @@ def test_prepare_cpu_decode_compiled_reads_one_token_through_the_compiled_kernel
 
 
 def test_prepare_cpu_decode_compiled_falls_back_to_the_layout_when_compiling_fails(monkeypatch):
-    from kda_hybrid import modeling_kda_hybrid
+    from kda_hybrid import decode_kda_hybrid, modeling_kda_hybrid
 
-    def broken(x, w):
+    def broken(*args):
         raise RuntimeError("no C++ compiler")
 
     monkeypatch.setattr(modeling_kda_hybrid, "COMPILED_MATVEC_MIN_BYTES", 4096)
     monkeypatch.setattr(modeling_kda_hybrid, "compiled_matvec", lambda: broken)
+    monkeypatch.setattr(decode_kda_hybrid, "compiled_kda_layer_step", lambda strict=False: broken)
     model, plain = tiny_model("gqa"), tiny_model("gqa")
-    with pytest.warns(UserWarning, match="torch.compile failed .*no C\\+\\+ compiler.*column-major"):
+    with pytest.warns(UserWarning) as warned:
         n = model.prepare_cpu_decode(compiled=True)
+    assert [str(w.message).split(" (")[0] for w in warned] == [
+        "prepare_cpu_decode(compiled=True): compiling the layer steps failed",
+        "prepare_cpu_decode(compiled=True): torch.compile failed"]
+    assert all("no C++ compiler" in str(w.message) for w in warned)
     assert n == plain.prepare_cpu_decode() > 0
-    assert not any(m.__dict__.get("_decode_matvec") for m in model.modules())
+    assert not any(m.__dict__.get("_decode_matvec") or m.__dict__.get("_compiled_decode") for m in model.modules())
 
 
 @pytest.mark.parametrize("tied", [False, True])

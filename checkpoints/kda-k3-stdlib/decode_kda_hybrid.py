@@ -1,0 +1,1 @@
+../../kda_hybrid/decode_kda_hybrid.py

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from kda_hybrid.layers_kda_hybrid import packed_cu_seqlens
 from kda_hybrid.train.data import IGNORE_INDEX, load_tokens, make_batch, num_rows
-from kda_hybrid.train.loop import add_arguments, fit, resumable_checkpoint
+from kda_hybrid.train.loop import add_arguments, fit, resumable_checkpoint, trained_tokens
 
 
 def load(path: str):
@@ -319,6 +319,7 @@ def main(argv=None) -> dict:
                 state["student"].config.layer_types[layer] == "linear_attention"
             return 1.0 if new else args.inherited_lr_ratio
 
+    args.inherited_tokens = trained_tokens(args.student)  # the student's own training (stage 1 before stage 2)
     return fit(args, build, loss_fn=loss, lr_scale=lr_scale)
 
 

@@ -37,7 +37,7 @@ import json
 
 import torch
 
-from kda_hybrid.train.loop import add_arguments, fit
+from kda_hybrid.train.loop import add_arguments, fit, trained_tokens
 
 
 def build_model(args, meta: dict):
@@ -69,6 +69,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    args.inherited_tokens = trained_tokens(args.model) if args.model else 0
     return fit(args, lambda meta: build_model(args, meta))
 
 

@@ -76,6 +76,7 @@ def test_the_written_student_is_the_conversion_with_the_chosen_layers(setup, tmp
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["layer_types"].count("A") == 2 and result["kept_layers"] == sorted(result["ranking"][:2])
     convert(root / "teacher", tmp_path / "converted", layer_types=result["layer_types"], progress=False)
+    assert json.loads((out / "trained_tokens.json").read_text()) == {"tokens": 0}  # all-k: a conversion
     written, converted = rl.load(out), rl.load(tmp_path / "converted")
     assert written.config.layer_types == converted.config.layer_types
     got, want = written.state_dict(), converted.state_dict()
@@ -88,3 +89,29 @@ def test_a_student_that_is_not_all_kda_is_refused(setup, tmp_path):
         rl.main(["--teacher", str(root / "all-A"), "--student", str(root / "kAkk"), "--data", str(data)])
     with pytest.raises(SystemExit, match="every layer must be attention"):
         rl.main(["--teacher", str(root / "kAkk"), "--student", str(root / "all-k"), "--data", str(data)])
+
+
+def test_the_quality_curve_groups_series_and_divides_by_the_teacher(tmp_path):
+    """plot_curve.py: every model with training tokens, grouped by the name before its comma, sorted by tokens, its
+    NLLs divided by the first model's (the teacher); models with none (the teacher, a conversion) left out."""
+    pc = load_script("examples/smollm2/plot_curve.py", "plot_curve")
+    models = {"teacher": dict(nll_chat=2.0, nll_prose=1.0, nll_code=4.0, agreement=1.0, forced_top1=1.0),
+              "converted": dict(nll_chat=9.0, nll_prose=9.0, nll_code=9.0, agreement=0.0, forced_top1=0.1),
+              "stage 2, step 500": dict(nll_chat=2.4, nll_prose=1.3, nll_code=4.4, agreement=0.2, forced_top1=0.7,
+                                        tokens_trained=2_000_000),
+              "stage 2, step 125": dict(nll_chat=3.0, nll_prose=1.5, nll_code=5.0, agreement=0.1, forced_top1=0.6,
+                                        tokens_trained=500_000),
+              "stage 1, step 125": dict(nll_prose=2.0, nll_code=6.0, agreement=0.0, forced_top1=0.3,
+                                        tokens_trained=250_000)}
+    teacher, series = pc.curve({"models": models})
+    assert teacher == "teacher" and list(series) == ["stage 2", "stage 1"]
+    assert [p["tokens"] for p in series["stage 2"]] == [500_000, 2_000_000]
+    assert series["stage 2"][1]["nll_chat"] == pytest.approx(1.2) and series["stage 2"][1]["nll_code"] == 1.1
+    assert "nll_chat" not in series["stage 1"][0] and series["stage 1"][0]["forced_top1"] == 0.3
+    report = tmp_path / "m.json"
+    report.write_text(json.dumps({"models": models}))
+    assert pc.main([str(report), "--out", str(tmp_path / "curve.png")]) == 0
+    assert (tmp_path / "curve.png").stat().st_size > 10_000
+    report.write_text(json.dumps({"models": {"teacher": models["teacher"]}}))
+    with pytest.raises(SystemExit):
+        pc.main([str(report)])

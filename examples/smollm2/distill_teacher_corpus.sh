@@ -12,7 +12,8 @@
 #   5. rank_layers.py: each layer restored to attention in turn, the KEEP layers that lower the KL most stay
 #      attention -> student-ranked (the ranking into docs/records/smollm2/layer_ranking.json)
 #   6. stage 2: KL + LM loss, the KDA layers at LR2, the inherited weights at INHERITED x LR2; milestones kept
-#   7. the report on the held-out chats, code and prose: every milestone, so the quality-vs-tokens curve
+#   7. the report on the held-out chats, code and prose: every milestone of both stages (each folder records the
+#      training tokens behind it), then the quality-vs-tokens curve (plot_curve.py)
 #
 #     bash examples/smollm2/distill_teacher_corpus.sh
 #     STAGE1_STEPS=4000 KEEP=8 THREADS=2 bash examples/smollm2/distill_teacher_corpus.sh
@@ -53,9 +54,14 @@ python examples/distill.py "${COMMON[@]}" --stage 1 --teacher "$TEACHER" --stude
 python examples/distill.py "${COMMON[@]}" --stage 2 --teacher "$TEACHER" --student "$OUT/student-ranked" \
     --out "$OUT/stage2" --steps "$STAGE2_STEPS" --milestones $STAGE2_MILESTONES --lr "$LR2" --warmup 20 \
     --eval-every 0 --seed 2 --inherited-lr-ratio "$INHERITED"
-MODELS=(--model teacher="$OUT/all-A" --model "ranked, stage 1"="$OUT/student-ranked")
+MODELS=(--model teacher="$OUT/all-A")
+for M in $STAGE1_MILESTONES; do MODELS+=(--model "stage 1 all-KDA, step $M"="$OUT/stage1-all-k/step-$M"); done
+MODELS+=(--model "stage 1 all-KDA, step $STAGE1_STEPS"="$OUT/stage1-all-k/final")
+MODELS+=(--model "stage 2, step 0 (ranked)"="$OUT/student-ranked")
 for M in $STAGE2_MILESTONES; do MODELS+=(--model "stage 2, step $M"="$OUT/stage2/step-$M"); done
 MODELS+=(--model "stage 2, step $STAGE2_STEPS"="$OUT/stage2/final")
 python examples/smollm2/smollm2_report.py --data "$DATA" "${MODELS[@]}" --heldout-chats "$CORPUS/chats-heldout.jsonl" \
     --json docs/records/smollm2/teacher_corpus_metrics.json --transcripts docs/records/smollm2/teacher_corpus_transcripts.md \
     --threads "$THREADS"
+python examples/smollm2/plot_curve.py docs/records/smollm2/teacher_corpus_metrics.json \
+    --out docs/records/smollm2/quality_vs_tokens.png

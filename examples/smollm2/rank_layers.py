@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from kda_hybrid.train.data import load_tokens, make_batch, num_rows
+from kda_hybrid.train.loop import TRAINED_TOKENS, trained_tokens
 
 FULL, LINEAR = "full_attention", "linear_attention"
 TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "chat_template*", "vocab.*",
@@ -140,6 +141,8 @@ def main(argv=None) -> int:
         for pattern in TOKENIZER_FILES:  # the student's tokenizer and chat template, as they are
             for path in args.student.glob(pattern):
                 shutil.copyfile(path, args.write_student / path.name)
+        (args.write_student / TRAINED_TOKENS).write_text(  # the training behind it: the stage-1 student's
+            json.dumps({"tokens": trained_tokens(args.student)}) + "\n")
         print(f"{args.write_student}: the student with attention at {chosen}")
     return 0
 

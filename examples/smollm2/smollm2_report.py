@@ -35,6 +35,7 @@ import torch
 
 from kda_hybrid.checkpoint_kda_hybrid import cache_bytes, format_bytes
 from kda_hybrid.train.data import IGNORE_INDEX, load_tokens, make_batch, num_rows
+from kda_hybrid.train.loop import trained_tokens
 
 CONTEXT = 32768
 
@@ -221,7 +222,8 @@ def main(argv=None) -> dict:
                                                       for t in model.config.layer_types),
              "nll_prose": nll(model, prose, args.seq_len, bos_id, args.eval_rows),
              "nll_code": nll(model, code, args.seq_len, bos_id, args.eval_rows),
-             "cache_32k_bytes": cache["kda_state"] + CONTEXT * cache["kv_per_token"]}
+             "cache_32k_bytes": cache["kda_state"] + CONTEXT * cache["kv_per_token"],
+             "tokens_trained": trained_tokens(folder)}
         if chats:
             r["nll_chat"] = chat_nll(model, tokenizer, chats)
         generated = greedy(model, tokenizer, prompts, args.new_tokens)

@@ -115,8 +115,30 @@ def full_state_dict(accelerator, model, fsdp: bool) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def save_final(accelerator, model, model_cls, args, out: Path):
-    """save_pretrained of the trained weights (full state dict, also under FSDP), tokenizer, generation config."""
+TRAINED_TOKENS = "trained_tokens.json"
+
+
+def trained_tokens(folder) -> int:
+    """Training tokens behind the model in `folder`, over every run that led to it (batch x seq_len per step):
+    its trained_tokens.json (save_final writes it); for a `step-N` or `final` folder of a run from before that file,
+    the run's args.json (N or its steps, times batch x seq_len, plus what its starting model had); 0 for a folder no
+    run wrote (a conversion)."""
+    folder = Path(folder)
+    if (folder / TRAINED_TOKENS).is_file():
+        return int(json.loads((folder / TRAINED_TOKENS).read_text())["tokens"])
+    run = folder.parent / "args.json"
+    if not run.is_file() or not (folder.name == "final" or folder.name.startswith("step-")):
+        return 0
+    args = json.loads(run.read_text())
+    step = args["steps"] if folder.name == "final" else int(folder.name.removeprefix("step-"))
+    start = args.get("student") or args.get("model")
+    return step * args["batch_size"] * args["seq_len"] + (trained_tokens(start) if start else 0)
+
+
+def save_final(accelerator, model, model_cls, args, out: Path, step: int):
+    """save_pretrained of the trained weights (full state dict, also under FSDP), tokenizer, generation config, and
+    the training tokens behind them (TRAINED_TOKENS: this run's `step` steps plus `args.inherited_tokens`, what
+    the starting model had)."""
     from transformers import AutoTokenizer, GenerationConfig
 
     state = full_state_dict(accelerator, model, args.fsdp)
@@ -137,15 +159,17 @@ def save_final(accelerator, model, model_cls, args, out: Path):
     )
     fresh.save_pretrained(out, safe_serialization=True)
     AutoTokenizer.from_pretrained(args.data).save_pretrained(out)
+    tokens = getattr(args, "inherited_tokens", 0) + step * args.batch_size * args.seq_len
+    (out / TRAINED_TOKENS).write_text(json.dumps({"tokens": tokens, "step": step}) + "\n")
 
 
-def save_milestone(accelerator, model, model_cls, args, folder: Path):
+def save_milestone(accelerator, model, model_cls, args, folder: Path, step: int):
     """save_final into `folder` through a sibling `.tmp` folder renamed when complete: a folder that exists is whole
     (a kill while writing leaves only the .tmp, which the next save replaces)."""
     tmp = folder.with_name(folder.name + ".tmp")
     if accelerator.is_main_process and tmp.exists():
         shutil.rmtree(tmp)
-    save_final(accelerator, model, model_cls, args, tmp)
+    save_final(accelerator, model, model_cls, args, tmp, step)
     if accelerator.is_main_process:
         if folder.exists():
             shutil.rmtree(folder)
@@ -322,7 +346,7 @@ def fit(args, build_model, *, loss_fn=None, lr_scale=None) -> dict:
             write_log({"step": step, "val_loss": round(val_loss, 5), "val_ppl": round(math.exp(val_loss), 3)})
             accelerator.print(f"\nstep {step}: val loss {val_loss:.4f}, ppl {math.exp(val_loss):.2f}")
         if step in args.milestones and step < args.steps:  # a model kept at this step (the last one is final/)
-            save_milestone(accelerator, model, model_cls, args, out / f"step-{step}")
+            save_milestone(accelerator, model, model_cls, args, out / f"step-{step}", step)
         out_of_time = deadline is not None and time.perf_counter() > deadline
         if step == args.steps or out_of_time or (args.save_every and step % args.save_every == 0):
             save_checkpoint(step)
@@ -331,7 +355,7 @@ def fit(args, build_model, *, loss_fn=None, lr_scale=None) -> dict:
             break
     bar.close()
     if step == args.steps:
-        save_final(accelerator, model, model_cls, args, out / "final")
+        save_final(accelerator, model, model_cls, args, out / "final", step)
     accelerator.wait_for_everyone()
     # the process group goes before the interpreter exits: torchrun children that left gloo's to interpreter
     # teardown were seen to abort in it ("terminate called without an active exception", exit -6) after their run

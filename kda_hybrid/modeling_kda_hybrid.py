@@ -313,17 +313,20 @@ class KDAHybridPreTrainedModel(PreTrainedModel):
         return done
 
     def _compile_layer_steps(self) -> list[nn.Module]:
-        """prepare_cpu_decode(compiled=True)'s second part: every KDA decoder layer with a dense MLP, all of its
-        modules plain and on the CPU, decodes through decode_kda_hybrid's compiled layer step, compiled here on a
-        dummy token and state (the model's cache is not touched). If compiling fails, a warning says why and the
-        layers keep their eager step. Returns the layers opted in."""
+        """prepare_cpu_decode(compiled=True)'s second part: every decoder layer with a dense MLP, all of its
+        modules plain and on the CPU, decodes through decode_kda_hybrid's compiled steps, compiled here on a dummy
+        token and state (the model's cache is not touched), once per kind and shape of layer (layers alike share
+        the graphs). If compiling fails, a warning says why and the layers keep their eager step. Returns the
+        layers opted in."""
         layers = [m for m in self.modules() if type(m) is KDAHybridDecoderLayer and fusable(m)]
         for layer in layers:
             for m in layer.modules():
                 if isinstance(m, nn.Linear):
                     _row_major(m.weight)
+        kinds = {(type(layer.self_attn), tuple((n, p.shape, p.dtype) for n, p in layer.named_parameters())): layer
+                 for layer in layers}
         try:
-            for layer in layers:
+            for layer in kinds.values():
                 compile_step(layer)
         except Exception as err:  # no C++ compiler, an unsupported platform, a graph break, ...
             warnings.warn(f"prepare_cpu_decode(compiled=True): compiling the layer steps failed "

@@ -11,8 +11,9 @@ replaces and is fitted to that layer's output (mean squared error per token, ave
 layers learn at once from the teacher's own residual stream and no error compounds through the student.
 Stage 2, end to end: the whole student (or LoRA adapters on its linear layers, `--lora-rank`) trains on the KL
 divergence from the teacher's next-token distribution (`--temperature`, `--kl-weight`) plus the LM loss
-(`--ce-weight`). This is the two-stage recipe of LoLCATs (Zhang et al., 2024) and RADLADS (Goldstein et al., 2025);
-see docs/from_attention.md.
+(`--ce-weight`); `--trainable kda` (the KDA layers only) or `kda+norms` (and the RMSNorm gains) keep the student a
+small delta from its teacher, `--inherited-lr-ratio` trains what it inherited at a fraction of `--lr`. This is the
+two-stage recipe of LoLCATs (Zhang et al., 2024) and RADLADS (Goldstein et al., 2025); see docs/from_attention.md.
 
 The loop is kda_hybrid.train.loop's, the one examples/train.py runs: the same packed batches (documents never see each
 other: the teacher gets a block-diagonal causal mask, the student its varlen path), gradient accumulation,
@@ -247,10 +248,14 @@ def build_student(args, teacher=None, meta=None):
         factors = torch.cat(list(calibrate_kda_outputs(teacher, student, calibration_batches(args, meta)).values()))
         print(f"calibrated the KDA heads' output scale on {args.calibrate_rows} rows: factors "
               f"{factors.min():.3g} .. {factors.median():.3g} (median) .. {factors.max():.3g}")
-    if args.stage == 1 or args.trainable == "kda":
+    if args.stage == 1 or args.trainable in ("kda", "kda+norms"):
         student.requires_grad_(False)
         for i in kda_layer_indices(student):
             student.model.layers[i].self_attn.requires_grad_(True)
+        if args.stage == 2 and args.trainable == "kda+norms":
+            for module in student.modules():  # the RMSNorm gains: a few thousand weights, so the delta stays small
+                if type(module).__name__.endswith("RMSNorm"):
+                    module.requires_grad_(True)
     elif args.lora_rank:
         from peft import LoraConfig, get_peft_model
 
@@ -273,20 +278,21 @@ def parse_args(argv=None):
                    help="before training, scale each KDA head's output to the RMS of the teacher's attention head "
                         "on this many training rows (0: off; for a student fresh from the converter)")
     p.add_argument("--inherited-lr-ratio", type=float, default=None,
-                   help="stage 2 with --trainable all: the weights the student inherited from the teacher (all but "
-                        "its KDA layers) train at this fraction of --lr, the new KDA layers at --lr")
-    p.add_argument("--trainable", choices=("all", "kda"), default="all",
-                   help="stage 2: train every weight, or the KDA layers only (the rest stays the teacher's, so "
-                        "the student ships as the teacher plus its KDA layers: python -m kda_hybrid.conversion.delta)")
+                   help="stage 2 with --trainable all or kda+norms: the trained weights the student inherited from "
+                        "the teacher (all but its KDA layers) at this fraction of --lr, the new KDA layers at --lr")
+    p.add_argument("--trainable", choices=("all", "kda", "kda+norms"), default="all",
+                   help="stage 2: train every weight, the KDA layers only (the rest stays the teacher's, so the "
+                        "student ships as the teacher plus its KDA layers: python -m kda_hybrid.conversion.delta), "
+                        "or the KDA layers and the RMSNorm gains (a delta a few hundred KB larger)")
     args = add_arguments(p).parse_args(argv)
     if args.temperature <= 0 or min(args.kl_weight, args.ce_weight, args.lora_rank, args.calibrate_rows) < 0:
         p.error("--temperature must be > 0 and --kl-weight, --ce-weight, --lora-rank, --calibrate-rows >= 0")
-    if args.lora_rank and args.trainable == "kda":
-        p.error("--lora-rank and --trainable kda are two different choices of what trains; pick one")
-    if args.inherited_lr_ratio is not None and (args.stage != 2 or args.trainable != "all" or args.lora_rank
+    if args.lora_rank and args.trainable != "all":
+        p.error(f"--lora-rank and --trainable {args.trainable} are two different choices of what trains; pick one")
+    if args.inherited_lr_ratio is not None and (args.stage != 2 or args.trainable == "kda" or args.lora_rank
                                                 or not 0 < args.inherited_lr_ratio <= 1):
-        p.error("--inherited-lr-ratio takes a ratio in (0, 1] and applies to stage 2 with --trainable all and no "
-                "--lora-rank (--trainable kda freezes the inherited weights)")
+        p.error("--inherited-lr-ratio takes a ratio in (0, 1] and applies to stage 2 with --trainable all or "
+                "kda+norms and no --lora-rank (--trainable kda freezes the inherited weights)")
     if args.stage == 1 and args.lora_rank:
         p.error("--lora-rank applies to stage 2 (stage 1 trains the KDA layers whole)")
     if args.fsdp and args.lora_rank:

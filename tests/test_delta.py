@@ -70,6 +70,29 @@ def test_rebuild_is_the_student_with_its_delta_rounded_to_bf16(distilled, tmp_pa
     assert (out / "tokenizer.json").is_file() and (out / "chat_template.jinja").is_file()
 
 
+def test_trained_norm_gains_travel_in_the_delta(distilled, tmp_path):
+    """A student distilled with --trainable kda+norms: its RMSNorm gains changed too, and the delta carries them
+    (a few KB) beside the KDA layers; the rebuild has them, rounded to bf16."""
+    teacher, student = distilled
+    tensors = load_file(student / "model.safetensors")
+    norms = [n for n in tensors if n.endswith(("layernorm.weight", "model.norm.weight"))]
+    assert len(norms) == 2 * 3 + 1
+    for name in norms:
+        tensors[name] = tensors[name] * 1.25
+    folder = tmp_path / "student"
+    folder.mkdir()
+    for f in student.iterdir():
+        if f.name != "model.safetensors" and f.is_file():
+            (folder / f.name).write_bytes(f.read_bytes())
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    manifest = delta_module.build(teacher, folder, tmp_path / "delta", install="(test)")
+    assert set(norms) <= set(manifest["tensors"])
+    rebuilt = load_file(delta_module.rebuild(tmp_path / "delta", tmp_path / "rebuilt", teacher=teacher)
+                        / "model.safetensors")
+    for name in norms:
+        assert torch.equal(rebuilt[name], tensors[name].to(torch.bfloat16).float()), name
+
+
 def test_cli_round_trip_and_the_teacher_found_in_an_installed_package(distilled, tmp_path, monkeypatch, capsys):
     teacher, student = distilled
     assert delta_module.main(["build", str(teacher), str(student), str(tmp_path / "delta"),

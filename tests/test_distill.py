@@ -146,13 +146,20 @@ def test_stage_1_direct_path_equals_the_whole_student_forward(setup):
     assert grads and all(n.startswith(("model.layers.0.self_attn.", "model.layers.2.self_attn.")) for n in grads)
 
 
-def test_stage_2_trainable_kda_changes_only_the_kda_layers(setup, tmp_path):
+@pytest.mark.parametrize("trainable", ["kda", "kda+norms"])
+def test_stage_2_trainable_kda_changes_only_the_kda_layers(setup, tmp_path, trainable):
+    """kda+norms also trains every RMSNorm gain outside the KDA layers (the decoder layers' two, the final one), at
+    --inherited-lr-ratio of the learning rate, and nothing else the teacher gave."""
     root, _ = setup
-    run_example("distill.py", *distill_args(setup, 2, root / "student", tmp_path, "--trainable", "kda"))
+    extra = ["--inherited-lr-ratio", "0.5"] if trainable == "kda+norms" else []
+    run_example("distill.py", *distill_args(setup, 2, root / "student", tmp_path, "--trainable", trainable, *extra))
     before = load_file(root / "student" / "model.safetensors")
     after = load_file(tmp_path / "final" / "model.safetensors")
     changed = {n for n in before if not torch.equal(before[n], after[n])}
-    assert changed and all(n.startswith(("model.layers.0.self_attn.", "model.layers.2.self_attn.")) for n in changed)
+    kda = {n for n in changed if n.startswith(("model.layers.0.self_attn.", "model.layers.2.self_attn."))}
+    norms = {n for n in before if n.endswith(("layernorm.weight", "model.norm.weight"))}
+    assert kda and changed - kda == (norms if trainable == "kda+norms" else set())
+    assert len(norms) == 2 * 4 + 1
 
 
 def test_stage_2_inherited_lr_ratio_scales_the_steps_of_the_inherited_weights(setup, tmp_path):

@@ -11,7 +11,8 @@
 #      models kept at each MILESTONES step (quality-vs-tokens curve)
 #   5. rank_layers.py: each layer restored to attention in turn, the KEEP layers that lower the KL most stay
 #      attention -> student-ranked (the ranking into docs/records/smollm2/layer_ranking.json)
-#   6. stage 2: KL + LM loss, the KDA layers at LR2, the inherited weights at INHERITED x LR2; milestones kept
+#   6. stage 2: KL + LM loss, the KDA layers at LR2 and the RMSNorm gains at INHERITED x LR2 (--trainable kda+norms:
+#      every other weight stays the teacher's, so the student ships as a delta under 64 MB); milestones kept
 #   7. the report on the held-out chats, code and prose: every milestone of both stages (each folder records the
 #      training tokens behind it), then the quality-vs-tokens curve (plot_curve.py)
 #
@@ -23,10 +24,10 @@ OUT=${OUT:-out/smollm2-v2}
 CORPUS=${CORPUS:-out/data/smollm2-teacher-corpus}
 DATA=${DATA:-out/data/smollm2-v2}
 THREADS=${THREADS:-2}
-STAGE1_STEPS=${STAGE1_STEPS:-2000}        # 4 rows x 512 tokens a step: 2,000 steps = 4.1M tokens
-STAGE1_MILESTONES=${STAGE1_MILESTONES:-"125 500"}
-STAGE2_STEPS=${STAGE2_STEPS:-2000}
-STAGE2_MILESTONES=${STAGE2_MILESTONES:-"125 500"}
+STAGE1_STEPS=${STAGE1_STEPS:-500}         # 4 rows x 512 tokens a step: 500 steps = 1.02M tokens (~11 s a step)
+STAGE1_MILESTONES=${STAGE1_MILESTONES:-"125"}
+STAGE2_STEPS=${STAGE2_STEPS:-2000}        # 4.1M tokens more: hours on 2 cores, resumed across sessions
+STAGE2_MILESTONES=${STAGE2_MILESTONES:-"125 250 500 1000"}
 KEEP=${KEEP:-10}                          # attention layers of 30: a third
 CHAT_REPEAT=${CHAT_REPEAT:-2}
 LR2=${LR2:-3e-4}
@@ -53,7 +54,7 @@ python examples/distill.py "${COMMON[@]}" --stage 1 --teacher "$TEACHER" --stude
 # shellcheck disable=SC2086
 python examples/distill.py "${COMMON[@]}" --stage 2 --teacher "$TEACHER" --student "$OUT/student-ranked" \
     --out "$OUT/stage2" --steps "$STAGE2_STEPS" --milestones $STAGE2_MILESTONES --lr "$LR2" --warmup 20 \
-    --eval-every 0 --seed 2 --inherited-lr-ratio "$INHERITED"
+    --eval-every 0 --seed 2 --trainable kda+norms --inherited-lr-ratio "$INHERITED"
 MODELS=(--model teacher="$OUT/all-A")
 for M in $STAGE1_MILESTONES; do MODELS+=(--model "stage 1 all-KDA, step $M"="$OUT/stage1-all-k/step-$M"); done
 MODELS+=(--model "stage 1 all-KDA, step $STAGE1_STEPS"="$OUT/stage1-all-k/final")

@@ -4,7 +4,8 @@
     python -m kda_hybrid.conversion.delta rebuild DELTA DST [--teacher FILE]
 
 A student converted from a teacher with `--layer-types` and then distilled with only its KDA layers training is
-the teacher plus those layers, so the layers are all it has to ship. `build` converts TEACHER as STUDENT was
+the teacher plus those layers, so the layers are all it has to ship (with `examples/distill.py --trainable
+kda+norms`, its RMSNorm gains too: a few KB more). `build` converts TEACHER as STUDENT was
 converted (same layer types), keeps every STUDENT tensor that differs from that conversion, stored in `--dtype`
 (bfloat16 by default: what makes SmolLM2-135M's 20 KDA layers fit 64 MB), and writes `delta.safetensors` +
 `delta.json`: the teacher file's name, size and sha256 (and where to get it), the layer types, and the sha256 of

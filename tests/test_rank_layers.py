@@ -5,6 +5,7 @@ student it writes is the conversion with the chosen layer types."""
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -108,6 +109,17 @@ def test_the_quality_curve_groups_series_and_divides_by_the_teacher(tmp_path):
     assert [p["tokens"] for p in series["stage 2"]] == [500_000, 2_000_000]
     assert series["stage 2"][1]["nll_chat"] == pytest.approx(1.2) and series["stage 2"][1]["nll_code"] == 1.1
     assert "nll_chat" not in series["stage 1"][0] and series["stage 1"][0]["forced_top1"] == 0.3
+    # stage 2's chat NLL ratio 1.5 -> 1.2 from 0.5M to 2M tokens: its excess 0.5 -> 0.2 is tokens^b with
+    # b = ln(0.4) / ln(4), followed out to an excess of 0.15; its code NLL (1.1x) meets 1.15x; stage 1 has one point
+    kind, tokens, slope = pc.tokens_to_target(series["stage 2"], "nll_chat")
+    b = math.log(0.2 / 0.5) / math.log(4)
+    assert kind == "estimate" and slope == pytest.approx(b) and tokens == pytest.approx(2e6 * (0.15 / 0.2) ** (1 / b))
+    assert 3.0e6 < tokens < 3.2e6
+    assert pc.tokens_to_target(series["stage 2"], "nll_code")[:2] == ("met", 2_000_000)
+    assert pc.tokens_to_target(series["stage 1"], "forced_top1") == ("none", None, None)
+    worse = [dict(tokens=1e6, agreement=0.2), dict(tokens=2e6, agreement=0.1)]
+    assert pc.tokens_to_target(worse, "agreement")[0] == "none"
+    assert "about 3.09M tokens" in pc.estimates(series) and "no estimate (one point)" in pc.estimates(series)
     report = tmp_path / "m.json"
     report.write_text(json.dumps({"models": models}))
     assert pc.main([str(report), "--out", str(tmp_path / "curve.png")]) == 0

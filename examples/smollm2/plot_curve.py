@@ -8,18 +8,24 @@ first model of the report).
 
 Left: held-out NLL per token as a multiple of the teacher's (chats, prose, code; the target 1.15x drawn). Right:
 teacher-forced top-1 agreement on the teacher's greedy replies and free-running greedy agreement over the first
-tokens (targets 0.80 and 0.30). The x axis is log-scaled tokens. Prints the curve as a table too.
+tokens (targets 0.80 and 0.30). The x axis is log-scaled tokens. Prints the curve as a table too, and for every
+target a series has not met, the tokens it would take at its present rate: the distance to the perfect value (NLL
+ratio - 1, 1 - agreement) fitted as a power law of the tokens over the series' last FIT_POINTS points (a straight
+line in log-log) and followed out to the target. An estimate from two or three points, not a promise; "no estimate"
+where that distance is not shrinking.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 NLL_KEYS = (("nll_chat", "held-out chats"), ("nll_prose", "prose"), ("nll_code", "code"))
 AGREEMENT_KEYS = (("forced_top1", "teacher-forced top-1"), ("agreement", "free-running greedy"))
 TARGETS = {"nll": 1.15, "forced_top1": 0.80, "agreement": 0.30}
+FIT_POINTS = 3
 
 
 def curve(report: dict) -> tuple[str, dict[str, list[dict]]]:
@@ -54,6 +60,47 @@ def table(series: dict[str, list[dict]]) -> str:
             cells += [f"{p[k]:.2f}" if k in p else "-" for k, _ in NLL_KEYS]
             cells += [f"{p[k]:.3f}" if k in p else "-" for k, _ in AGREEMENT_KEYS]
             lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _gap(key: str, value: float) -> float:
+    """The distance to a perfect student: NLL ratio - 1, or 1 - agreement."""
+    return value - 1 if key.startswith("nll") else 1 - value
+
+
+def tokens_to_target(points: list[dict], key: str) -> tuple[str, float | None, float | None]:
+    """("met", tokens of the first point that meets key's target, None), ("estimate", tokens, exponent) from the
+    power-law fit of the last FIT_POINTS points' gap against tokens, or ("none", None, exponent or None) where
+    there are fewer than two points or the gap does not shrink."""
+    target = TARGETS["nll" if key.startswith("nll") else key]
+    have = [p for p in points if key in p]
+    for p in have:
+        if _gap(key, p[key]) <= _gap(key, target):
+            return "met", p["tokens"], None
+    fit = [(math.log(p["tokens"]), math.log(_gap(key, p[key]))) for p in have[-FIT_POINTS:] if _gap(key, p[key]) > 0]
+    if len(fit) < 2 or len({x for x, _ in fit}) < 2:
+        return "none", None, None
+    mx, my = (sum(v) / len(fit) for v in zip(*fit))
+    slope = sum((x - mx) * (y - my) for x, y in fit) / sum((x - mx) ** 2 for x, _ in fit)
+    if slope >= 0:
+        return "none", None, slope
+    return "estimate", math.exp(mx + (math.log(_gap(key, target)) - my) / slope), slope
+
+
+def estimates(series: dict[str, list[dict]]) -> str:
+    lines = []
+    for name, points in series.items():
+        for key, label in NLL_KEYS + AGREEMENT_KEYS:
+            kind, tokens, slope = tokens_to_target(points, key)
+            target = f"{TARGETS['nll']:.2f}x" if key.startswith("nll") else f"{TARGETS[key]:.2f}"
+            if kind == "met":
+                lines.append(f"{name}: {label} reaches {target} at {tokens / 1e6:.2f}M tokens")
+            elif kind == "estimate":
+                lines.append(f"{name}: {label} {target} at about {tokens / 1e6:.3g}M tokens at the present rate "
+                             f"(distance to perfect ~ tokens^{slope:.2f} over the last {FIT_POINTS} points)")
+            elif any(key in p for p in points):
+                why = "one point" if slope is None else f"not shrinking (tokens^{slope:+.2f})"
+                lines.append(f"{name}: {label} {target}: no estimate ({why})")
     return "\n".join(lines)
 
 
@@ -99,6 +146,8 @@ def main(argv=None) -> int:
     if not series:
         p.error(f"{args.report}: no model with training tokens behind it (tokens_trained)")
     print(table(series))
+    print()
+    print(estimates(series))
     if args.out is not None:
         plot(teacher_name, series, args.out)
         print(f"wrote {args.out}")

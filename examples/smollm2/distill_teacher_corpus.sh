@@ -55,7 +55,15 @@ python examples/distill.py "${COMMON[@]}" --stage 1 --teacher "$TEACHER" --stude
 python examples/distill.py "${COMMON[@]}" --stage 2 --teacher "$TEACHER" --student "$OUT/student-ranked" \
     --out "$OUT/stage2" --steps "$STAGE2_STEPS" --milestones $STAGE2_MILESTONES --lr "$LR2" --warmup 20 \
     --eval-every 0 --seed 2 --trainable kda+norms --inherited-lr-ratio "$INHERITED"
-MODELS=(--model teacher="$OUT/all-A")
+# the baselines: the ranked placement fresh from the converter, and the shipped kkA student rebuilt from its delta
+PATTERN=$(python -c "import json, sys; print(json.load(open(sys.argv[1]))['layer_types'])" \
+    docs/records/smollm2/layer_ranking.json)
+[ -d "$OUT/converted-ranked" ] || python -m kda_hybrid.conversion "$TEACHER" "$OUT/converted-ranked" \
+    --layer-types "$PATTERN" --no-progress
+[ -d "$OUT/shipped-kkA" ] || python -m kda_hybrid.conversion.delta rebuild deltas/smollm2-kkA "$OUT/shipped-kkA" \
+    --teacher "$TEACHER"
+MODELS=(--model teacher="$OUT/all-A" --model "converted (ranked placement)"="$OUT/converted-ranked"
+        --model "shipped kkA (deltas/smollm2-kkA)"="$OUT/shipped-kkA")
 for M in $STAGE1_MILESTONES; do MODELS+=(--model "stage 1 all-KDA, step $M"="$OUT/stage1-all-k/step-$M"); done
 MODELS+=(--model "stage 1 all-KDA, step $STAGE1_STEPS"="$OUT/stage1-all-k/final")
 MODELS+=(--model "stage 2, step 0 (ranked)"="$OUT/student-ranked")

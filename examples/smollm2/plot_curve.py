@@ -96,8 +96,9 @@ def estimates(series: dict[str, list[dict]]) -> str:
             if kind == "met":
                 lines.append(f"{name}: {label} reaches {target} at {tokens / 1e6:.2f}M tokens")
             elif kind == "estimate":
+                fitted = min(FIT_POINTS, sum(key in p for p in points))
                 lines.append(f"{name}: {label} {target} at about {tokens / 1e6:.3g}M tokens at the present rate "
-                             f"(distance to perfect ~ tokens^{slope:.2f} over the last {FIT_POINTS} points)")
+                             f"(distance to perfect ~ tokens^{slope:.2f} over the last {fitted} points)")
             elif any(key in p for p in points):
                 why = "one point" if slope is None else f"not shrinking (tokens^{slope:+.2f})"
                 lines.append(f"{name}: {label} {target}: no estimate ({why})")

@@ -148,8 +148,8 @@ def test_stage_1_direct_path_equals_the_whole_student_forward(setup):
 
 @pytest.mark.parametrize("trainable", ["kda", "kda+norms"])
 def test_stage_2_trainable_kda_changes_only_the_kda_layers(setup, tmp_path, trainable):
-    """kda+norms also trains every RMSNorm gain outside the KDA layers (the decoder layers' two, the final one), at
-    --inherited-lr-ratio of the learning rate, and nothing else the teacher gave."""
+    """kda+norms also trains every RMSNorm gain outside the KDA layers (the decoder layers' two, the final one; here
+    at --inherited-lr-ratio 0.5 of the learning rate), and nothing else the teacher gave."""
     root, _ = setup
     extra = ["--inherited-lr-ratio", "0.5"] if trainable == "kda+norms" else []
     run_example("distill.py", *distill_args(setup, 2, root / "student", tmp_path, "--trainable", trainable, *extra))

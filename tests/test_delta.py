@@ -2,6 +2,7 @@
 exactly from that file (and only from it), with nothing written when anything does not match."""
 
 import json
+import shutil
 import warnings
 from pathlib import Path
 
@@ -79,11 +80,7 @@ def test_trained_norm_gains_travel_in_the_delta(distilled, tmp_path):
     assert len(norms) == 2 * 3 + 1
     for name in norms:
         tensors[name] = tensors[name] * 1.25
-    folder = tmp_path / "student"
-    folder.mkdir()
-    for f in student.iterdir():
-        if f.name != "model.safetensors" and f.is_file():
-            (folder / f.name).write_bytes(f.read_bytes())
+    folder = shutil.copytree(student, tmp_path / "student")
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     manifest = delta_module.build(teacher, folder, tmp_path / "delta", install="(test)")
     assert set(norms) <= set(manifest["tensors"])

@@ -45,7 +45,7 @@ def distilled(tmp_path_factory):
     return teacher, root / "student"
 
 
-def test_rebuild_is_the_student_with_its_delta_rounded_to_bf16(distilled, tmp_path):
+def test_rebuild_is_the_student_with_its_delta_matrices_rounded_to_bf16(distilled, tmp_path):
     teacher, student = distilled
     manifest = delta_module.build(teacher, student, tmp_path / "delta", install="(test)")
     assert manifest["layer_types"] == "kkA" and manifest["dtype"] == "bfloat16"
@@ -54,13 +54,17 @@ def test_rebuild_is_the_student_with_its_delta_rounded_to_bf16(distilled, tmp_pa
     assert manifest["tensors"] and all(n.startswith(KDA) for n in manifest["tensors"])
     assert {n for n in theirs if n.startswith(KDA) and n.endswith("_proj.weight")} <= set(manifest["tensors"])
     stored = load_file(tmp_path / "delta" / "delta.safetensors")
-    assert all(t.dtype == torch.bfloat16 for t in stored.values())
+    # matrices in bf16; vectors (dt_bias, A_log, the gated norm's gain) in the student's fp32, whatever their rank
+    assert {n for n, t in stored.items() if t.dtype == torch.bfloat16} == {n for n, t in stored.items() if t.ndim > 1
+                                                                          and sorted(t.shape)[-2] > 1}
+    assert {n.split(".")[-1] for n, t in stored.items() if t.dtype == torch.float32} >= {"dt_bias", "A_log"}
+    assert any(t.dtype == torch.float32 and t.ndim > 1 for t in stored.values())  # A_log's [1, 1, H, 1] is a vector
 
     out = delta_module.rebuild(tmp_path / "delta", tmp_path / "rebuilt", teacher=teacher)
     rebuilt = load_file(out / "model.safetensors")
     assert set(rebuilt) == set(theirs)
-    for name, t in theirs.items():  # bit for bit: the teacher's tensors, and the student's rounded to bf16
-        expected = t.to(torch.bfloat16).to(t.dtype) if name in stored else t
+    for name, t in theirs.items():  # bit for bit: the teacher's tensors, the student's vectors, its matrices in bf16
+        expected = t.to(stored[name].dtype).to(t.dtype) if name in stored else t
         assert torch.equal(rebuilt[name], expected), name
     # and it is a working checkpoint: remote code, tokenizer, chat template; the same logits twice over
     ids = torch.randint(3, 200, (1, 9), generator=torch.Generator().manual_seed(0))
@@ -73,7 +77,8 @@ def test_rebuild_is_the_student_with_its_delta_rounded_to_bf16(distilled, tmp_pa
 
 def test_trained_norm_gains_travel_in_the_delta(distilled, tmp_path):
     """A student distilled with --trainable kda+norms: its RMSNorm gains changed too, and the delta carries them
-    (a few KB) beside the KDA layers; the rebuild has them, rounded to bf16."""
+    (a few KB) beside the KDA layers, in fp32: a trained gain rounded to bf16 could lose its training; the rebuild
+    has them bit for bit."""
     teacher, student = distilled
     tensors = load_file(student / "model.safetensors")
     norms = [n for n in tensors if n.endswith(("layernorm.weight", "model.norm.weight"))]
@@ -87,7 +92,7 @@ def test_trained_norm_gains_travel_in_the_delta(distilled, tmp_path):
     rebuilt = load_file(delta_module.rebuild(tmp_path / "delta", tmp_path / "rebuilt", teacher=teacher)
                         / "model.safetensors")
     for name in norms:
-        assert torch.equal(rebuilt[name], tensors[name].to(torch.bfloat16).float()), name
+        assert torch.equal(rebuilt[name], tensors[name]), name
 
 
 def test_cli_round_trip_and_the_teacher_found_in_an_installed_package(distilled, tmp_path, monkeypatch, capsys):

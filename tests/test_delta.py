@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from kda_hybrid.conversion import ConversionError, convert  # noqa: E402
 from kda_hybrid.conversion import delta as delta_module  # noqa: E402
+from kda_hybrid.train.loop import trained_tokens  # noqa: E402
 
 from ._gguf import write_tiny_gguf  # noqa: E402
 
@@ -49,6 +50,7 @@ def test_rebuild_is_the_student_with_its_delta_matrices_rounded_to_bf16(distille
     teacher, student = distilled
     manifest = delta_module.build(teacher, student, tmp_path / "delta", install="(test)")
     assert manifest["layer_types"] == "kkA" and manifest["dtype"] == "bfloat16"
+    assert manifest["trained_tokens"] is None  # the student has no trained_tokens.json: nothing is made up
     assert manifest["teacher"]["sha256"] == delta_module.file_sha256(teacher)
     theirs = load_file(student / "model.safetensors")
     assert manifest["tensors"] and all(n.startswith(KDA) for n in manifest["tensors"])
@@ -87,10 +89,13 @@ def test_trained_norm_gains_travel_in_the_delta(distilled, tmp_path):
         tensors[name] = tensors[name] * 1.25
     folder = shutil.copytree(student, tmp_path / "student")
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    (folder / "trained_tokens.json").write_text('{"tokens": 512000, "step": 250}\n')  # as distill.py saves it
     manifest = delta_module.build(teacher, folder, tmp_path / "delta", install="(test)")
     assert set(norms) <= set(manifest["tensors"])
-    rebuilt = load_file(delta_module.rebuild(tmp_path / "delta", tmp_path / "rebuilt", teacher=teacher)
-                        / "model.safetensors")
+    assert manifest["trained_tokens"] == {"tokens": 512000, "step": 250}
+    out = delta_module.rebuild(tmp_path / "delta", tmp_path / "rebuilt", teacher=teacher)
+    assert trained_tokens(out) == 512000  # what the reports read: the rebuilt student says what trained it
+    rebuilt = load_file(out / "model.safetensors")
     for name in norms:
         assert torch.equal(rebuilt[name], tensors[name]), name
 

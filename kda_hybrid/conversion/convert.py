@@ -193,7 +193,7 @@ def convert(src, dst, *, source: str | None = None, target: str = KDA_HYBRID, dt
         ('k' = KDA, 'A' = keep the attention) or a pattern repeated to the depth, e.g. "kkkA"
         (see `from_attention`); kda_init tunes the new KDA layers' starting values. patch (attention sources
         only; delta.py's rebuild): `patch.check_names(shapes)` before anything is read, `patch.apply(name,
-        tensor) -> tensor` on every output tensor, `patch.finish()` before the output is published (raise there
+        tensor) -> tensor` on every output tensor, `patch.finish(folder)` before the output is published (raise there
         and nothing is written).
     Every source tensor must be consumed and every target tensor produced with the expected shape, else
     ConversionError names them all. Output is staged in a hidden sibling folder and swapped into place at the
@@ -408,7 +408,7 @@ def _convert_attention(src: Path, dst: Path, dst_real: Path, raw: dict, open_sou
         sink = _CastingSink(writer if patch is None else _PatchingSink(writer, patch), cast)
         stream(config, raw, reader, sink, init=kda_init, progress=progress)
         if patch is not None:
-            patch.finish()
+            patch.finish(folder)
         writer.close()
         write_checkpoint_metadata(config, folder)
         if tokenizer is not None:  # a GGUF's tokenizer and chat template, as transformers reads them

@@ -10,8 +10,9 @@ converted (same layer types), keeps every STUDENT tensor that differs from that 
 `--dtype` (bfloat16 by default: what makes SmolLM2-135M's 20 KDA layers fit 64 MB) and its vectors (norm gains,
 biases, decay parameters: at most one dimension above 1, a few KB) in the student's own dtype, since rounding a
 trained gain to bf16 can undo its training (a step of 0.4% near 1.0). It writes `delta.safetensors` +
-`delta.json`: the teacher file's name, size and sha256 (and where to get it), the layer types, and the sha256 of
-every tensor of the rebuilt checkpoint. `rebuild` checks the teacher's hash before anything is written (a
+`delta.json`: the teacher file's name, size and sha256 (and where to get it), the layer types, the training tokens
+behind the student (its trained_tokens.json, when it has one; the rebuild writes it back), and the sha256 of every
+tensor of the rebuilt checkpoint. `rebuild` checks the teacher's hash before anything is written (a
 different file is refused, naming both hashes), converts it with the delta's tensors in place of the converted
 ones, checks every tensor's hash against the manifest and only then publishes DST, atomically, as every
 conversion does: the rebuilt folder (weights, remote code, tokenizer, chat template) is the same bytes on every
@@ -36,6 +37,7 @@ from .layout import ConversionError
 logger = logging.getLogger("kda_hybrid.conversion")
 
 DELTA_TENSORS, DELTA_MANIFEST = "delta.safetensors", "delta.json"
+TRAINED_TOKENS = "trained_tokens.json"  # what examples/distill.py writes beside a model: {"tokens": N, "step": S}
 FORMAT = "kda_hybrid.delta/1"
 DEFAULT_MAX_BYTES = 64 * 2**20
 
@@ -133,6 +135,8 @@ def build(teacher, student, out, *, dtype: torch.dtype = torch.bfloat16, max_byt
         "dtype": str(dtype).removeprefix("torch."),
         "tensors": {n: list(stored[n].shape) for n in changed},
         "delta_bytes": size,
+        "trained_tokens": (json.loads((student / TRAINED_TOKENS).read_text())
+                           if (student / TRAINED_TOKENS).is_file() else None),
         "rebuilt_sha256": {n: tensor_sha256(t) for n, t in sorted(rebuilt.items())},
     }
     if manifest["teacher"]["sha256"] is None:
@@ -181,8 +185,8 @@ class _DeltaPatch:
     """convert()'s patch: the delta's tensors in place of the converted ones, every output tensor's hash
     checked against the manifest before anything is published."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], expected: dict[str, str]):
-        self.tensors, self.expected, self.seen = tensors, expected, {}
+    def __init__(self, tensors: dict[str, torch.Tensor], expected: dict[str, str], trained_tokens: dict | None):
+        self.tensors, self.expected, self.trained_tokens, self.seen = tensors, expected, trained_tokens, {}
 
     def check_names(self, shapes: dict[str, tuple[int, ...]]) -> None:
         unknown = sorted(set(self.tensors) - set(shapes))
@@ -197,11 +201,13 @@ class _DeltaPatch:
         self.seen[name] = tensor_sha256(tensor)
         return tensor
 
-    def finish(self) -> None:
+    def finish(self, folder: Path) -> None:
         wrong = sorted(n for n in self.expected if self.seen.get(n) != self.expected[n])
         if wrong:
             raise ConversionError(f"the rebuilt checkpoint differs from the one the delta was made from in "
                                   f"{len(wrong)} tensors ({', '.join(wrong[:5])}); nothing was written")
+        if self.trained_tokens is not None:  # the training behind the student, as the trained folder recorded it
+            (folder / TRAINED_TOKENS).write_text(json.dumps(self.trained_tokens) + "\n")
 
 
 def rebuild(delta, dst, *, teacher=None, overwrite: bool = False, progress: bool = False) -> Path:
@@ -220,7 +226,7 @@ def rebuild(delta, dst, *, teacher=None, overwrite: bool = False, progress: bool
     if {n: list(t.shape) for n, t in tensors.items()} != manifest["tensors"]:
         raise ConversionError(f"{delta}: {DELTA_TENSORS} does not hold the tensors {DELTA_MANIFEST} lists")
     return convert(path, dst, layer_types=manifest["layer_types"], overwrite=overwrite, progress=progress,
-                   patch=_DeltaPatch(tensors, manifest["rebuilt_sha256"]))
+                   patch=_DeltaPatch(tensors, manifest["rebuilt_sha256"], manifest.get("trained_tokens")))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -95,6 +95,10 @@ def test_trained_norm_gains_travel_in_the_delta(distilled, tmp_path):
     assert manifest["trained_tokens"] == {"tokens": 512000, "step": 250}
     out = delta_module.rebuild(tmp_path / "delta", tmp_path / "rebuilt", teacher=teacher)
     assert trained_tokens(out) == 512000  # what the reports read: the rebuilt student says what trained it
+    assert delta_module.rebuilt_from(out, tmp_path / "delta")
+    delta_module.build(teacher, student, tmp_path / "older", install="(test)")  # another version of the delta
+    assert not delta_module.rebuilt_from(out, tmp_path / "older")
+    assert not delta_module.rebuilt_from(student, tmp_path / "delta")  # a folder no rebuild wrote
     rebuilt = load_file(out / "model.safetensors")
     for name in norms:
         assert torch.equal(rebuilt[name], tensors[name]), name

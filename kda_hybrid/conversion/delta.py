@@ -12,7 +12,8 @@ biases, decay parameters: at most one dimension above 1, a few KB) in the studen
 trained gain to bf16 can undo its training (a step of 0.4% near 1.0). It writes `delta.safetensors` +
 `delta.json`: the teacher file's name, size and sha256 (and where to get it), the layer types, the training tokens
 behind the student (its trained_tokens.json, when it has one; the rebuild writes it back), and the sha256 of every
-tensor of the rebuilt checkpoint. `rebuild` checks the teacher's hash before anything is written (a
+tensor of the rebuilt checkpoint; the rebuilt folder keeps a copy of delta.json, so `rebuilt_from` tells a rebuild
+of an older version of the delta from a current one. `rebuild` checks the teacher's hash before anything is written (a
 different file is refused, naming both hashes), converts it with the delta's tensors in place of the converted
 ones, checks every tensor's hash against the manifest and only then publishes DST, atomically, as every
 conversion does: the rebuilt folder (weights, remote code, tokenizer, chat template) is the same bytes on every
@@ -185,8 +186,9 @@ class _DeltaPatch:
     """convert()'s patch: the delta's tensors in place of the converted ones, every output tensor's hash
     checked against the manifest before anything is published."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], expected: dict[str, str], trained_tokens: dict | None):
-        self.tensors, self.expected, self.trained_tokens, self.seen = tensors, expected, trained_tokens, {}
+    def __init__(self, tensors: dict[str, torch.Tensor], manifest: dict):
+        self.tensors, self.manifest, self.seen = tensors, manifest, {}
+        self.expected = manifest["rebuilt_sha256"]
 
     def check_names(self, shapes: dict[str, tuple[int, ...]]) -> None:
         unknown = sorted(set(self.tensors) - set(shapes))
@@ -206,8 +208,10 @@ class _DeltaPatch:
         if wrong:
             raise ConversionError(f"the rebuilt checkpoint differs from the one the delta was made from in "
                                   f"{len(wrong)} tensors ({', '.join(wrong[:5])}); nothing was written")
-        if self.trained_tokens is not None:  # the training behind the student, as the trained folder recorded it
-            (folder / TRAINED_TOKENS).write_text(json.dumps(self.trained_tokens) + "\n")
+        if self.manifest.get("trained_tokens") is not None:  # the training behind the student, as recorded
+            (folder / TRAINED_TOKENS).write_text(json.dumps(self.manifest["trained_tokens"]) + "\n")
+        # the manifest itself: the folder names the delta it was rebuilt from (rebuilt_from tells a stale rebuild)
+        (folder / DELTA_MANIFEST).write_text(json.dumps(self.manifest, indent=1) + "\n")
 
 
 def rebuild(delta, dst, *, teacher=None, overwrite: bool = False, progress: bool = False) -> Path:
@@ -226,7 +230,15 @@ def rebuild(delta, dst, *, teacher=None, overwrite: bool = False, progress: bool
     if {n: list(t.shape) for n, t in tensors.items()} != manifest["tensors"]:
         raise ConversionError(f"{delta}: {DELTA_TENSORS} does not hold the tensors {DELTA_MANIFEST} lists")
     return convert(path, dst, layer_types=manifest["layer_types"], overwrite=overwrite, progress=progress,
-                   patch=_DeltaPatch(tensors, manifest["rebuilt_sha256"], manifest.get("trained_tokens")))
+                   patch=_DeltaPatch(tensors, manifest))
+
+
+def rebuilt_from(folder, delta) -> bool:
+    """Whether `folder` is a rebuild of exactly this DELTA (its copy of the manifest equals the delta's): False for a
+    rebuild of another version of the delta, or a folder no rebuild wrote."""
+    mine = Path(folder) / DELTA_MANIFEST
+    return mine.is_file() and (Path(folder) / "config.json").is_file() and \
+        json.loads(mine.read_text()) == read_manifest(delta)
 
 
 def main(argv: list[str] | None = None) -> int:

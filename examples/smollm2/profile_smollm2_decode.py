@@ -1,7 +1,7 @@
 """Where a decode step of SmolLM2-135M-Instruct and of its KDA students spends its time, on the real shape.
 
-    python examples/smollm2/profile_smollm2_decode.py --student kkA=out/smollm2-kkA
-    python examples/smollm2/profile_smollm2_decode.py --student kkA=out/smollm2-kkA --shared-kv --rounds 6
+    python examples/smollm2/profile_smollm2_decode.py --student hybrid=out/smollm2-hybrid
+    python examples/smollm2/profile_smollm2_decode.py --student hybrid=out/smollm2-hybrid --shared-kv --rounds 6
 
 For each model: a prefill of --context tokens, then torch.profiler over --steps decode steps (the fastest of
 --repeats such runs): self CPU time per step, split into aten::mm (the weight matrix-vector products) and

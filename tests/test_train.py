@@ -245,11 +245,15 @@ def test_resume_after_a_kill_between_the_checkpoint_renames(data, single_run, tm
 
 
 def test_bf16_autocast_trains(data, tmp_path):
-    """--mixed-precision bf16 (CPU autocast here; the default on GPUs with bf16): finite losses, fp32 validation."""
+    """--mixed-precision bf16 (CPU autocast here; the default on GPUs with bf16): finite losses, fp32 validation;
+    each step's log record says how it was computed (a run resumed under another precision stays readable)."""
     run_train(*train_args(data, tmp_path, "--mixed-precision", "bf16", "--steps", "2", "--eval-every", "2"))
     log = read_log(tmp_path)
     losses = [r["loss"] for r in log if "loss" in r]
     assert len(losses) == 2 and np.isfinite(losses).all()
+    assert [r["precision"] for r in log if "loss" in r] == ["bf16 autocast"] * 2
+    run_train(*train_args(data, tmp_path, "--mixed-precision", "no", "--steps", "3", "--eval-every", "3", "--resume"))
+    assert [r["precision"] for r in read_log(tmp_path) if "loss" in r] == ["bf16 autocast"] * 2 + ["fp32"]
     assert np.isfinite([r["val_loss"] for r in log if "val_loss" in r]).all()
 
 

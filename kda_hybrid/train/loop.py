@@ -333,7 +333,7 @@ def fit(args, build_model, *, loss_fn=None, lr_scale=None) -> dict:
         loss = float(accelerator.reduce(local.to(accelerator.device), "sum").cpu()) / global_targets
         elapsed = time.perf_counter() - t0
         record = {"step": step, "loss": round(loss, 5), "lr": lr, "tokens": step * args.batch_size * args.seq_len,
-                  "elapsed_s": round(elapsed, 2)}
+                  "elapsed_s": round(elapsed, 2), "precision": "bf16 autocast" if mixed == "bf16" else "fp32"}
         for name, value in sorted(local_parts.items()):
             total = float(accelerator.reduce(value.to(accelerator.device), "sum").cpu())
             record[name] = round(total / global_targets, 5)

@@ -119,6 +119,10 @@ def test_the_quality_curve_groups_series_and_divides_by_the_teacher(tmp_path):
     assert pc.tokens_to_target(series["stage 1"], "forced_top1") == ("none", None, None)
     worse = [dict(tokens=1e6, agreement=0.2), dict(tokens=2e6, agreement=0.1)]
     assert pc.tokens_to_target(worse, "agreement")[0] == "none"
+    flat = [dict(tokens=1e6, agreement=0.11), dict(tokens=2e6, agreement=0.112)]  # shrinking, but hardly
+    kind, tokens, slope = pc.tokens_to_target(flat, "agreement")
+    assert kind == "beyond" and tokens == pc.HORIZON * 2e6 and -0.01 < slope < 0
+    assert "not within 100x the tokens so far (200M)" in pc.estimates({"flat": flat})
     assert "about 3.09M tokens" in pc.estimates(series) and "no estimate (one point)" in pc.estimates(series)
     report = tmp_path / "m.json"
     report.write_text(json.dumps({"models": models}))

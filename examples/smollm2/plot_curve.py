@@ -12,7 +12,8 @@ tokens (targets 0.80 and 0.30). The x axis is log-scaled tokens. Prints the curv
 target a series has not met, the tokens it would take at its present rate: the distance to the perfect value (NLL
 ratio - 1, 1 - agreement) fitted as a power law of the tokens over the series' last FIT_POINTS points (a straight
 line in log-log) and followed out to the target. An estimate from two or three points, not a promise; "no estimate"
-where that distance is not shrinking.
+where that distance is not shrinking, and "beyond HORIZONx" where the fit would need more than HORIZON times the
+series' tokens so far (a nearly flat fit says the present recipe has stalled there, not a token count).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ NLL_KEYS = (("nll_chat", "held-out chats"), ("nll_prose", "prose"), ("nll_code",
 AGREEMENT_KEYS = (("forced_top1", "teacher-forced top-1"), ("agreement", "free-running greedy"))
 TARGETS = {"nll": 1.15, "forced_top1": 0.80, "agreement": 0.30}
 FIT_POINTS = 3
+HORIZON = 100  # estimates further out than this many times the series' last tokens are reported as such
 
 
 def curve(report: dict) -> tuple[str, dict[str, list[dict]]]:
@@ -70,8 +72,9 @@ def _gap(key: str, value: float) -> float:
 
 def tokens_to_target(points: list[dict], key: str) -> tuple[str, float | None, float | None]:
     """("met", tokens of the first point that meets key's target, None), ("estimate", tokens, exponent) from the
-    power-law fit of the last FIT_POINTS points' gap against tokens, or ("none", None, exponent or None) where
-    there are fewer than two points or the gap does not shrink."""
+    power-law fit of the last FIT_POINTS points' gap against tokens, ("beyond", HORIZON x the last tokens,
+    exponent) where that estimate lies further out, or ("none", None, exponent or None) where there are fewer than
+    two points or the gap does not shrink."""
     target = TARGETS["nll" if key.startswith("nll") else key]
     have = [p for p in points if key in p]
     for p in have:
@@ -84,7 +87,11 @@ def tokens_to_target(points: list[dict], key: str) -> tuple[str, float | None, f
     slope = sum((x - mx) * (y - my) for x, y in fit) / sum((x - mx) ** 2 for x, _ in fit)
     if slope >= 0:
         return "none", None, slope
-    return "estimate", math.exp(mx + (math.log(_gap(key, target)) - my) / slope), slope
+    log_tokens = mx + (math.log(_gap(key, target)) - my) / slope
+    horizon = HORIZON * have[-1]["tokens"]
+    if log_tokens > math.log(horizon):
+        return "beyond", horizon, slope
+    return "estimate", math.exp(log_tokens), slope
 
 
 def estimates(series: dict[str, list[dict]]) -> str:
@@ -99,6 +106,9 @@ def estimates(series: dict[str, list[dict]]) -> str:
                 fitted = min(FIT_POINTS, sum(key in p for p in points))
                 lines.append(f"{name}: {label} {target} at about {tokens / 1e6:.3g}M tokens at the present rate "
                              f"(distance to perfect ~ tokens^{slope:.2f} over the last {fitted} points)")
+            elif kind == "beyond":
+                lines.append(f"{name}: {label} {target}: not within {HORIZON}x the tokens so far ({tokens / 1e6:.3g}M) "
+                             f"at the present rate (distance to perfect ~ tokens^{slope:.2f}: stalled)")
             elif any(key in p for p in points):
                 why = "one point" if slope is None else f"not shrinking (tokens^{slope:+.2f})"
                 lines.append(f"{name}: {label} {target}: no estimate ({why})")

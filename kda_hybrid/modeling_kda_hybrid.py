@@ -214,14 +214,16 @@ def _lay_column_major(w: nn.Parameter) -> None:
 
 def lay_out_for_cpu_decode(linears) -> int:
     """prepare_cpu_decode()'s layout for any `nn.Linear`s (a transformers model's too, so that a benchmark can give
-    its baseline the same help): each plain weight whose output is at least as wide as its input, column-major, once
-    (a tied weight is one tensor). Returns how many weights it laid out; values and modules stay the same."""
+    its baseline the same help): each plain floating-point CPU weight whose output is at least as wide as its input,
+    column-major, once (a tied weight is one tensor); quantised, wrapped or non-CPU weights are left alone. Returns
+    how many weights it laid out; values and modules stay the same."""
     done = 0
     with torch.no_grad():
         for module in linears:
             w = module.weight
-            if module.out_features >= module.in_features and type(w) is nn.Parameter and w.dim() == 2 \
-                    and not _column_major(w):
+            plain = type(w) is nn.Parameter and type(w.data) is torch.Tensor and w.layout == torch.strided
+            if plain and w.device.type == "cpu" and w.is_floating_point() and w.dim() == 2 \
+                    and module.out_features >= module.in_features and not _column_major(w):
                 _lay_column_major(w)
                 done += 1
     return done

@@ -212,6 +212,13 @@ def _lay_column_major(w: nn.Parameter) -> None:
     w.data = w.data.t().contiguous().t()
 
 
+def _plain_cpu_linear(module: nn.Module) -> bool:
+    """An `nn.Linear` whose weight is a plain floating-point CPU matrix (not quantised, wrapped, meta or elsewhere)."""
+    w = getattr(module, "weight", None) if isinstance(module, nn.Linear) else None
+    return type(w) is nn.Parameter and type(w.data) is torch.Tensor and w.device.type == "cpu" \
+        and w.layout == torch.strided and w.is_floating_point() and w.dim() == 2
+
+
 def lay_out_for_cpu_decode(linears) -> int:
     """prepare_cpu_decode()'s layout for any `nn.Linear`s (a transformers model's too, so that a benchmark can give
     its baseline the same help): each plain floating-point CPU weight whose output is at least as wide as its input,
@@ -220,11 +227,9 @@ def lay_out_for_cpu_decode(linears) -> int:
     done = 0
     with torch.no_grad():
         for module in linears:
-            w = module.weight
-            plain = type(w) is nn.Parameter and type(w.data) is torch.Tensor and w.layout == torch.strided
-            if plain and w.device.type == "cpu" and w.is_floating_point() and w.dim() == 2 \
-                    and module.out_features >= module.in_features and not _column_major(w):
-                _lay_column_major(w)
+            if _plain_cpu_linear(module) and module.out_features >= module.in_features \
+                    and not _column_major(module.weight):
+                _lay_column_major(module.weight)
                 done += 1
     return done
 
@@ -292,12 +297,7 @@ class KDAHybridPreTrainedModel(PreTrainedModel):
         caches it on disk for the next; 4-15 s on the benchmark's models), so that the first generate() pays
         nothing; it needs what torch.compile needs on the CPU (a C++ compiler). If compiling fails,
         a warning says why and the eager steps and the layout above apply."""
-        linears = []
-        for module in self.modules():
-            w = getattr(module, "weight", None) if isinstance(module, nn.Linear) else None
-            if type(w) is nn.Parameter and type(w.data) is torch.Tensor and w.device.type == "cpu" \
-                    and w.layout == torch.strided and w.is_floating_point() and w.dim() == 2:
-                linears.append(module)
+        linears = [module for module in self.modules() if _plain_cpu_linear(module)]
         routed = {id(getattr(m, name)) for m in self.modules() for name in getattr(type(m), "DECODE_LINEARS", ())
                   if isinstance(getattr(m, name, None), nn.Linear)}  # the ones whose forwards call decode_linear
         done = 0

@@ -251,10 +251,10 @@ def test_bf16_autocast_trains(data, tmp_path):
     log = read_log(tmp_path)
     losses = [r["loss"] for r in log if "loss" in r]
     assert len(losses) == 2 and np.isfinite(losses).all()
+    assert np.isfinite([r["val_loss"] for r in log if "val_loss" in r]).all()
     assert [r["precision"] for r in log if "loss" in r] == ["bf16 autocast"] * 2
     run_train(*train_args(data, tmp_path, "--mixed-precision", "no", "--steps", "3", "--eval-every", "3", "--resume"))
     assert [r["precision"] for r in read_log(tmp_path) if "loss" in r] == ["bf16 autocast"] * 2 + ["fp32"]
-    assert np.isfinite([r["val_loss"] for r in log if "val_loss" in r]).all()
 
 
 def test_final_checkpoint_loads_with_remote_code(single_run):

@@ -57,12 +57,13 @@ def main():
     teacher = Contestant("SmolLM2", load())
     named = [s.split("=", 1) for s in args.student]
     students = [Contestant(name, load(folder)) for name, folder in named]
-    baselines = [teacher]
+    baselines, laid_out = [teacher], []
     if args.layout:
         for name, folder in named:
             model = load(folder)
             report.print(f"# {name}: prepare_cpu_decode() laid out {model.prepare_cpu_decode()} weights column-major")
-            students.append(Contestant(f"{name}, laid out", model))
+            laid_out.append(Contestant(f"{name}, laid out", model))
+        students += laid_out
         laid = load()
         count = lay_out_for_cpu_decode(m for m in laid.modules() if isinstance(m, torch.nn.Linear))
         report.print(f"# SmolLM2, laid out: lay_out_for_cpu_decode laid out {count} weights column-major")
@@ -84,9 +85,8 @@ def main():
     runs = versus_llama(report, [*students, *baselines], teacher, args, title="Against SmolLM2-135M-Instruct itself")
     for s in students:
         report_targets(report, runs, s.name, teacher.name, args.contexts, TARGETS)
-    for s in students if args.layout else []:  # the same targets against SmolLM2 given the same layout
-        if s.name.endswith(", laid out"):
-            report_targets(report, runs, s.name, baselines[1].name, args.contexts, TARGETS)
+    for s in laid_out:  # the same targets against SmolLM2 given the same layout
+        report_targets(report, runs, s.name, baselines[1].name, args.contexts, TARGETS)
     report.write({name: {str(n): v for n, v in r.items()} for name, r in runs.items()})
 
 

@@ -91,6 +91,23 @@ def test_stage_2_with_lora_saves_a_plain_merged_hybrid(setup, tmp_path):
         assert r["kl"] >= 0
 
 
+def test_stage_2_lora_milestones_leave_the_training_alone(setup, tmp_path):
+    """A milestone saves the adapters merged into a copy: the run goes on training the same adapters, so its final
+    model is the one a run without milestones ends with, and the milestone is a plain merged hybrid too."""
+    root, _ = setup
+    plain, kept = tmp_path / "plain", tmp_path / "kept"
+    run_example("distill.py", *distill_args(setup, 2, root / "student", plain, "--lora-rank", "4"))
+    run_example("distill.py", *distill_args(setup, 2, root / "student", kept, "--lora-rank", "4",
+                                            "--milestones", "1"))
+    a, b = load_file(plain / "final" / "model.safetensors"), load_file(kept / "final" / "model.safetensors")
+    for name in a:  # the same steps on the same batches
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-6)
+    milestone = load_file(kept / "step-1" / "model.safetensors")
+    assert set(milestone) == set(a) and not torch.equal(milestone["model.layers.1.mlp.up_proj.weight"],
+                                                        a["model.layers.1.mlp.up_proj.weight"])
+    assert [r["loss"] for r in log(plain) if "loss" in r] == [r["loss"] for r in log(kept) if "loss" in r]
+
+
 @pytest.mark.slow  # the loop's resume is tested in test_train.py; this checks distill.py's losses survive it too
 def test_stage_2_resume_equals_uninterrupted(setup, tmp_path):
     root, _ = setup

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import math
 import os
@@ -145,8 +146,8 @@ def save_final(accelerator, model, model_cls, args, out: Path, step: int):
     if not accelerator.is_main_process:
         return
     unwrapped = accelerator.unwrap_model(model)
-    if hasattr(unwrapped, "merge_and_unload"):  # a peft model (LoRA): save the base model with the adapters merged
-        unwrapped = unwrapped.merge_and_unload()
+    if hasattr(unwrapped, "merge_and_unload"):  # a peft model (LoRA): the base model with the adapters merged, in a
+        unwrapped = copy.deepcopy(unwrapped).merge_and_unload()  # copy: merging in place unloads them from the run
         state = unwrapped.state_dict()
     fresh = model_cls(unwrapped.config)  # the model's own class: fully_shard swaps in an FSDP subclass
     fresh.load_state_dict({k: v.float() for k, v in state.items()})

@@ -12,7 +12,9 @@ layers learn at once from the teacher's own residual stream and no error compoun
 Stage 2, end to end: the whole student (or LoRA adapters on its linear layers, `--lora-rank`) trains on the KL
 divergence from the teacher's next-token distribution (`--temperature`, `--kl-weight`) plus the LM loss
 (`--ce-weight`); `--trainable kda` (the KDA layers only) or `kda+norms` (and the RMSNorm gains) keep the student a
-small delta from its teacher, `--inherited-lr-ratio` trains what it inherited at a fraction of `--lr`. This is the
+small delta from its teacher, and with `--lora-rank` its inherited linear layers (MLPs, kept attention) adapt too,
+as LoRA adapters whose merged change the delta carries as factors (`python -m kda_hybrid.conversion.delta build
+--low-rank`); `--inherited-lr-ratio` trains the inherited weights at a fraction of `--lr`. This is the
 two-stage recipe of LoLCATs (Zhang et al., 2024) and RADLADS (Goldstein et al., 2025); see docs/from_attention.md.
 
 The loop is kda_hybrid.train.loop's, the one examples/train.py runs: the same packed batches (documents never see each
@@ -256,12 +258,28 @@ def build_student(args, teacher=None, meta=None):
             for module in student.modules():  # the RMSNorm gains: a few thousand weights, so the delta stays small
                 if type(module).__name__.endswith("RMSNorm"):
                     module.requires_grad_(True)
+        if args.lora_rank:  # adapters on what the student inherited (not the KDA layers, which train whole)
+            whole = {name for name, p in student.named_parameters() if p.requires_grad}
+            student = _with_lora(student, args.lora_rank, inherited_linears(student))
+            for name, p in student.get_base_model().named_parameters():
+                p.requires_grad_(name in whole or p.requires_grad)  # get_peft_model froze all but the adapters
     elif args.lora_rank:
-        from peft import LoraConfig, get_peft_model
-
-        student = get_peft_model(student, LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank,
-                                                     target_modules="all-linear", lora_dropout=0.0))
+        student = _with_lora(student, args.lora_rank, "all-linear")
     return student
+
+
+def inherited_linears(student) -> list[str]:
+    """The names of the student's nn.Linear layers outside its KDA layers and its LM head: the MLPs and the kept
+    attention layers' projections, the teacher's weights as the conversion carried them over."""
+    kda = set(kda_layer_indices(student))
+    return [name for name, module in student.named_modules() if isinstance(module, torch.nn.Linear)
+            and name != "lm_head" and not (_layer_of(name) in kda and ".self_attn." in f".{name}.")]
+
+
+def _with_lora(student, rank: int, targets):
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(student, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, lora_dropout=0.0))
 
 
 def parse_args(argv=None):
@@ -273,7 +291,9 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=float, default=1.0, help="stage 2: softmax temperature of the KL term")
     p.add_argument("--kl-weight", type=float, default=1.0, help="stage 2: weight of the KL term")
     p.add_argument("--ce-weight", type=float, default=1.0, help="stage 2: weight of the LM loss")
-    p.add_argument("--lora-rank", type=int, default=0, help="stage 2: LoRA adapters of this rank (0: full model)")
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="stage 2: LoRA adapters of this rank (0: none): on every linear layer (--trainable all, "
+                        "which then trains nothing else), or on the inherited ones (--trainable kda / kda+norms)")
     p.add_argument("--calibrate-rows", type=int, default=0,
                    help="before training, scale each KDA head's output to the RMS of the teacher's attention head "
                         "on this many training rows (0: off; for a student fresh from the converter)")
@@ -287,12 +307,12 @@ def parse_args(argv=None):
     args = add_arguments(p).parse_args(argv)
     if args.temperature <= 0 or min(args.kl_weight, args.ce_weight, args.lora_rank, args.calibrate_rows) < 0:
         p.error("--temperature must be > 0 and --kl-weight, --ce-weight, --lora-rank, --calibrate-rows >= 0")
-    if args.lora_rank and args.trainable != "all":
-        p.error(f"--lora-rank and --trainable {args.trainable} are two different choices of what trains; pick one")
-    if args.inherited_lr_ratio is not None and (args.stage != 2 or args.trainable == "kda" or args.lora_rank
+    if args.inherited_lr_ratio is not None and (args.stage != 2 or args.trainable == "kda"
+                                                or (args.trainable == "all" and args.lora_rank)
                                                 or not 0 < args.inherited_lr_ratio <= 1):
-        p.error("--inherited-lr-ratio takes a ratio in (0, 1] and applies to stage 2 with --trainable all or "
-                "kda+norms and no --lora-rank (--trainable kda freezes the inherited weights)")
+        p.error("--inherited-lr-ratio takes a ratio in (0, 1] and applies to stage 2 with --trainable all (no "
+                "--lora-rank) or kda+norms: what trains of the inherited weights (--trainable kda freezes them; LoRA "
+                "adapters are new weights, at --lr)")
     if args.stage == 1 and args.lora_rank:
         p.error("--lora-rank applies to stage 2 (stage 1 trains the KDA layers whole)")
     if args.fsdp and args.lora_rank:
@@ -319,9 +339,9 @@ def main(argv=None) -> dict:
 
     lr_scale = None
     if args.inherited_lr_ratio is not None:
-        def lr_scale(name: str) -> float:
+        def lr_scale(name: str) -> float:  # new weights (the KDA layers, LoRA adapters) at --lr
             layer = _layer_of(name)
-            new = layer is not None and ".self_attn." in name and \
+            new = ".lora_" in name or layer is not None and ".self_attn." in name and \
                 state["student"].config.layer_types[layer] == "linear_attention"
             return 1.0 if new else args.inherited_lr_ratio
 

@@ -104,6 +104,70 @@ def test_trained_norm_gains_travel_in_the_delta(distilled, tmp_path):
         assert torch.equal(rebuilt[name], tensors[name]), name
 
 
+def test_low_rank_changes_travel_as_factors_and_rebuild_within_bf16_of_the_change(distilled, tmp_path):
+    """A student whose inherited linear layers trained as LoRA adapters, saved merged (W + B @ A in fp32): with
+    --low-rank 2 each such change travels as two rank-2 factors in bf16 (format /2), while a change of full rank (an
+    MLP matrix trained whole) and the KDA layers stay whole; the rebuild is the teacher's matrix plus the factors'
+    product, within bf16 rounding of the change, and its hashes hold. Without --low-rank: format /1, all whole."""
+    teacher, student = distilled
+    base = load_file(student.parent / "converted" / "model.safetensors")
+    tensors = load_file(student / "model.safetensors")
+    gen = torch.Generator().manual_seed(1)
+    lora = [n for n in tensors if n.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"))
+            or (n.startswith("model.layers.2.self_attn.") and n.endswith("_proj.weight"))]  # layer 2: attention
+    assert len(lora) == 3 * 3 + 4
+    for name in lora:
+        rows, cols = tensors[name].shape
+        tensors[name] = tensors[name] + (torch.randn(rows, 2, generator=gen) * 0.05) @ (
+            torch.randn(2, cols, generator=gen) * 0.05)
+    whole = "model.layers.2.mlp.down_proj.weight"
+    tensors[whole] = tensors[whole] + torch.randn(tensors[whole].shape, generator=gen) * 0.01
+    folder = shutil.copytree(student, tmp_path / "student")
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+    manifest = delta_module.build(teacher, folder, tmp_path / "delta", low_rank=2)
+    factored = set(lora) - {whole}
+    assert manifest["format"] == "kda_hybrid.delta/2" and manifest["low_rank"] == {n: 2 for n in factored}
+    stored = load_file(tmp_path / "delta" / "delta.safetensors")
+    assert set(stored) == set(manifest["tensors"])
+    for name in factored:
+        u, v = stored.pop(name + ".delta_u"), stored.pop(name + ".delta_v")
+        assert u.dtype == v.dtype == torch.bfloat16 and (u.shape[0], v.shape[1]) == tensors[name].shape
+        assert u.shape[1] == v.shape[0] == 2 and name not in stored
+    assert whole in stored and {n for n in tensors if n.startswith(KDA)} <= set(stored)  # full-rank: whole
+    assert set(stored) - {whole} == {n for n in tensors if n.startswith(KDA)}
+
+    out = delta_module.rebuild(tmp_path / "delta", tmp_path / "rebuilt", teacher=teacher)  # checks every hash
+    rebuilt = load_file(out / "model.safetensors")
+    for name in factored:
+        change, trained = rebuilt[name].double() - base[name].double(), tensors[name].double() - base[name].double()
+        assert float((change - trained).norm()) <= 2**-7 * float(trained.norm()), name  # bf16 factors: ~2^-8
+    assert torch.equal(rebuilt[whole], tensors[whole].to(torch.bfloat16).float())
+    plain = delta_module.build(teacher, folder, tmp_path / "plain")
+    assert plain["format"] == "kda_hybrid.delta/1" and "low_rank" not in plain and set(lora) <= set(plain["tensors"])
+    assert manifest["delta_bytes"] < plain["delta_bytes"]
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ConversionError, match="low_rank must be a whole number >= 0"):
+            delta_module.build(teacher, folder, tmp_path / "bad", low_rank=bad)
+    assert not (tmp_path / "bad").exists()
+    newer = json.loads((tmp_path / "delta" / "delta.json").read_text()) | {"format": "kda_hybrid.delta/3"}
+    (tmp_path / "delta" / "delta.json").write_text(json.dumps(newer))
+    with pytest.raises(ConversionError, match="format 'kda_hybrid.delta/3', expected one of kda_hybrid.delta/1, "):
+        delta_module.rebuild(tmp_path / "delta", tmp_path / "again", teacher=teacher)
+
+
+def test_add_low_rank_is_the_product_summed_in_float64():
+    gen = torch.Generator().manual_seed(0)
+    base, u, v = (torch.randn(*shape, generator=gen) for shape in ((40, 24), (40, 3), (3, 24)))
+    expected = (base.double() + u.double() @ v.double()).float()
+    torch.testing.assert_close(delta_module.add_low_rank(base, u, v), expected, rtol=2**-23, atol=1e-6)
+    assert delta_module.add_low_rank(base, u, v).dtype == torch.float32
+    assert delta_module.low_rank_factors(base, base + u @ v, 2) is None  # rank 3 is not rank 2
+    a, b = delta_module.low_rank_factors(base, base + u @ v, 3)
+    torch.testing.assert_close(a @ b, (u @ v).double(), rtol=0, atol=1e-5)
+    assert delta_module.low_rank_factors(base, base + u @ v, 15) is None  # 15 x (40 + 24) = 40 x 24: no smaller
+
+
 def test_cli_round_trip_and_the_teacher_found_in_an_installed_package(distilled, tmp_path, monkeypatch, capsys):
     teacher, student = distilled
     assert delta_module.main(["build", str(teacher), str(student), str(tmp_path / "delta"),

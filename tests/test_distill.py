@@ -179,6 +179,27 @@ def test_stage_2_trainable_kda_changes_only_the_kda_layers(setup, tmp_path, trai
     assert len(norms) == 2 * 4 + 1
 
 
+def test_stage_2_kda_with_lora_changes_each_inherited_linear_by_a_low_rank_update(setup, tmp_path):
+    """--trainable kda+norms --lora-rank 2: the KDA layers train whole, the RMSNorm gains too, and every inherited
+    linear layer (the MLPs, the kept attention layers' projections) changes by its merged rank-2 adapter; the
+    embeddings and the LM head stay the teacher's. `delta build --low-rank 2` stores those changes as factors."""
+    root, _ = setup
+    run_example("distill.py", *distill_args(setup, 2, root / "student", tmp_path, "--trainable", "kda+norms",
+                                            "--lora-rank", "2", "--inherited-lr-ratio", "0.5"))
+    before = load_file(root / "student" / "model.safetensors")
+    after = load_file(tmp_path / "final" / "model.safetensors")
+    assert set(after) == set(before)  # merged
+    kda = ("model.layers.0.self_attn.", "model.layers.2.self_attn.")  # kAkA
+    changed = {n for n in before if not torch.equal(before[n], after[n])}
+    linears = {n for n in before if n.endswith("_proj.weight") and not n.startswith(kda)}
+    norms = {n for n in before if n.endswith(("layernorm.weight", "model.norm.weight"))}
+    assert len(linears) == 4 * 3 + 2 * 4 and len(norms) == 2 * 4 + 1
+    assert changed == {n for n in before if n.startswith(kda)} | linears | norms  # not embed_tokens, not lm_head
+    for name in linears:
+        change = after[name].double() - before[name].double()
+        assert int(torch.linalg.matrix_rank(change, rtol=1e-4)) == 2, name
+
+
 def test_stage_2_inherited_lr_ratio_scales_the_steps_of_the_inherited_weights(setup, tmp_path):
     """--inherited-lr-ratio 0.25: one AdamW step moves each weight by about its learning rate (Adam's first update is
     lr * sign of the gradient), so the largest change of the inherited weights (embeddings, attention layer, MLPs,

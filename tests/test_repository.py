@@ -58,3 +58,12 @@ def test_no_code_edits_sys_path():
     edits = [f for f in tracked(".py", ".sh") if re.search(r"sys\.path\.(insert|append)|sys\.path\s*=|sys\.path\s*\+=",
                                                             (REPO / f).read_text())]
     assert not edits, edits
+
+
+def test_every_shell_script_parses():
+    """The recipe and CI scripts run for hours before reaching their last lines: a syntax error there must fail here."""
+    scripts = tracked(".sh") + [".ci/run"]
+    assert scripts
+    bad = {f: r.stderr for f in scripts if (r := subprocess.run(["bash", "-n", str(REPO / f)], capture_output=True,
+                                                                 text=True)).returncode}
+    assert not bad, bad

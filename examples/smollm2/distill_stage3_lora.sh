@@ -6,6 +6,9 @@
 #   A. --trainable kda+norms --lora-rank RANK: LoRA adapters on the MLPs and the kept attention layers (at LR, like
 #      the KDA layers; the norm gains at INHERITED x LR); the delta carries their merged change as rank-RANK factors
 #   B. the same without adapters: a second pass at the lower LR, the control
+# On a machine without stage 2's run (out/ is not in git), the start is the shipped student rebuilt from its delta
+# (deltas/smollm2-hybrid: stage 2's final model with its KDA matrices in bf16, and its training tokens), and the
+# corpus, the reference and the data are made first (teacher_corpus_data.sh, about 1.5 hours on 2 cores).
 # Each arm resumes after a kill (run the script again; finished arms are skipped). Then the report of both arms'
 # milestones and finals (--keep: every row measured before stays), the curve, and arm A's delta built under $OUT
 # (not deltas/: shipping the winner is a separate, deliberate step) to show its size.
@@ -18,7 +21,7 @@ OUT=${OUT:-out/smollm2-v2}
 CORPUS=${CORPUS:-out/data/smollm2-teacher-corpus}
 DATA=${DATA:-out/data/smollm2-v2}
 THREADS=${THREADS:-2}
-START=${START:-$OUT/stage2/final}
+START=${START:-}
 STEPS=${STEPS:-250}                      # 4 rows x 512 tokens a step: 250 steps = 0.51M tokens (~20 s a step)
 MILESTONES=${MILESTONES:-"125"}
 RANK=${RANK:-8}                          # rank 8 on SmolLM2: about 3.7 MB of factors beside the 59.7 MB of KDA layers
@@ -26,7 +29,14 @@ LR=${LR:-1e-4}
 INHERITED=${INHERITED:-0.1}
 
 TEACHER=$(python examples/smollm2/smollm2.py teacher-path)
-[ -d "$START" ] || { echo "error: $START does not exist: run distill_teacher_corpus.sh to its end first" >&2; exit 1; }
+if [ -z "$START" ] && [ -d "$OUT/stage2/final" ]; then
+    START=$OUT/stage2/final
+elif [ -z "$START" ]; then  # the shipped student as users get it (rebuilt again if the delta changed)
+    START=out/smollm2-hybrid
+    python -m kda_hybrid.conversion.delta rebuild deltas/smollm2-hybrid "$START" --if-stale
+fi
+[ -d "$START" ] || { echo "error: START=$START does not exist" >&2; exit 1; }
+OUT=$OUT CORPUS=$CORPUS DATA=$DATA THREADS=$THREADS bash examples/smollm2/teacher_corpus_data.sh
 COMMON=(--data "$DATA" --seq-len 512 --batch-size 4 --micro-batch-size 1 --save-every 25 --threads "$THREADS"
         --cpu --mixed-precision bf16 --resume --stage 2 --teacher "$TEACHER" --student "$START" --steps "$STEPS"
         --lr "$LR" --warmup 20 --eval-every 0 --seed 3 --trainable kda+norms --inherited-lr-ratio "$INHERITED")

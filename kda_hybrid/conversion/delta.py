@@ -1,7 +1,7 @@
 """A distilled student shipped as what it changed: the tensors that differ from a fresh conversion of its teacher.
 
     python -m kda_hybrid.conversion.delta build TEACHER STUDENT DELTA [--low-rank R]   # once, by whoever distilled it
-    python -m kda_hybrid.conversion.delta rebuild DELTA DST [--teacher FILE]
+    python -m kda_hybrid.conversion.delta rebuild DELTA DST [--teacher FILE] [--overwrite | --if-stale]
 
 A student converted from a teacher with `--layer-types` and then distilled with only its KDA layers training is
 the teacher plus those layers, so the layers are all it has to ship (with `examples/distill.py --trainable
@@ -306,6 +306,15 @@ def rebuilt_from(folder, delta) -> bool:
         json.loads(mine.read_text()) == read_manifest(delta)
 
 
+def rebuild_if_stale(delta, dst, *, teacher=None, progress: bool = False) -> bool:
+    """`rebuild` unless DST already holds a rebuild of exactly this DELTA; a rebuild of an older version of it is
+    replaced, any other existing DST refused (rebuild's own refusal). True when it rebuilt."""
+    if rebuilt_from(dst, delta):
+        return False
+    rebuild(delta, dst, teacher=teacher, overwrite=(Path(dst) / DELTA_MANIFEST).is_file(), progress=progress)
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
     import sys
@@ -333,7 +342,11 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("delta", help="a folder written by build")
     r.add_argument("dst", help="output checkpoint folder")
     r.add_argument("--teacher", help="the teacher file (default: the installed package's copy the delta names)")
-    r.add_argument("--overwrite", action="store_true")
+    how = r.add_mutually_exclusive_group()
+    how.add_argument("--overwrite", action="store_true")
+    how.add_argument("--if-stale", action="store_true",
+                     help="nothing when DST already holds a rebuild of this DELTA; replace a rebuild of an older "
+                          "version of it; refuse any other existing DST")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     try:
@@ -342,8 +355,12 @@ def main(argv: list[str] | None = None) -> int:
                   max_bytes=int(args.max_mb * 2**20), install=args.install, package_path=args.package_path,
                   overwrite=args.overwrite, low_rank=args.low_rank)
             print(f"wrote {args.delta}")
+        elif args.if_stale and not rebuild_if_stale(args.delta, args.dst, teacher=args.teacher):
+            print(f"{args.dst} already holds a rebuild of {args.delta}")
         else:
-            print(f"wrote {rebuild(args.delta, args.dst, teacher=args.teacher, overwrite=args.overwrite)}")
+            if not args.if_stale:
+                rebuild(args.delta, args.dst, teacher=args.teacher, overwrite=args.overwrite)
+            print(f"wrote {args.dst}")
     except (ConversionError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

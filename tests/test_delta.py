@@ -233,6 +233,57 @@ def test_a_tampered_delta_is_refused_with_nothing_written(distilled, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["delta"]  # no output, no staging folder left
 
 
+def test_a_build_that_fails_midway_leaves_the_old_delta_whole(distilled, tmp_path, monkeypatch):
+    import errno
+    from collections import namedtuple
+
+    import safetensors.torch
+
+    teacher, student = distilled
+    out = tmp_path / "deltas" / "student"
+    delta_module.build(teacher, student, out)
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+
+    real_save = safetensors.torch.save_file
+
+    def full_disk(tensors, path, metadata=None):  # the delta's file only (the teacher's conversion saves too)
+        if Path(path).name != "delta.safetensors":
+            return real_save(tensors, path, metadata=metadata)
+        Path(path).write_bytes(b"\0" * 100)  # part of the file, then the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    with pytest.raises(ConversionError, match="ran out of space while writing the delta .*; nothing was changed"):
+        delta_module.build(teacher, student, out, overwrite=True, dtype=torch.float32)
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before
+    assert [p.name for p in out.parent.iterdir()] == ["student"]  # no staging folder left
+    monkeypatch.undo()
+    # too little free space: refused before anything is written
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10**6, 10**6 - 1000, 1000))
+    with pytest.raises(ConversionError, match="not enough free space"):
+        delta_module.build(teacher, student, out, overwrite=True, dtype=torch.float32)
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before
+    monkeypatch.undo()
+    # a replaced delta is the new one, whole
+    delta_module.build(teacher, student, out, overwrite=True, dtype=torch.float32)
+    assert json.loads((out / "delta.json").read_text())["dtype"] == "float32"
+    assert sorted(p.name for p in out.parent.iterdir()) == ["student"]
+
+
+def test_overwrite_replaces_only_a_delta_folder(distilled, tmp_path):
+    teacher, student = distilled
+    out = tmp_path / "delta"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(ConversionError, match="holds notes.txt, which no delta build wrote"):
+        delta_module.build(teacher, student, out, overwrite=True)
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConversionError, match="is not a folder"):
+        delta_module.build(teacher, student, tmp_path / "file", overwrite=True)
+
+
 def test_a_delta_over_the_size_limit_or_of_a_non_student_is_refused(distilled, tmp_path):
     teacher, student = distilled
     with pytest.raises(ConversionError, match="over the limit of 1,000"):

@@ -18,13 +18,15 @@ of the change, or the rounding of an fp32 merge) is stored as two factors, `NAME
 rank at a time (elementwise operations only: the same bits on every machine, whatever its BLAS); a matrix whose
 change is not low-rank is stored whole. Such a delta is format /2, which a reader of /1 refuses by name.
 
-`build` writes `delta.safetensors` + `delta.json`: the teacher file's name, size and sha256 (and where to get it),
-the layer types, the training tokens behind the student (its trained_tokens.json, when it has one; the rebuild
-writes it back), and the sha256 of every tensor of the rebuilt checkpoint; the rebuilt folder keeps a copy of
-delta.json, so `rebuilt_from` tells a rebuild of an older version of the delta from a current one. `rebuild` checks
-the teacher's hash before anything is written (a different file is refused, naming both hashes), converts it with
-the delta's tensors in place of the converted ones, checks every tensor's hash against the manifest and only then
-publishes DST, atomically, as every conversion does: the rebuilt folder (weights, remote code, tokenizer, chat
+`build` writes `delta.safetensors` + `delta.json` (into a folder beside DELTA, swapped in whole: a killed, failed or
+out-of-space build leaves the old delta as it was; --overwrite replaces only a folder holding a delta's files, and
+too little free space is refused before anything is written): the teacher file's name, size and sha256 (and where to
+get it), the layer types, the training tokens behind the student (its trained_tokens.json, when it has one; the
+rebuild writes it back), and the sha256 of every tensor of the rebuilt checkpoint; the rebuilt folder keeps a copy
+of delta.json, so `rebuilt_from` tells a rebuild of an older version of the delta from a current one. `rebuild`
+checks the teacher's hash before anything is written (a different file is refused, naming both hashes), converts it
+with the delta's tensors in place of the converted ones, checks every tensor's hash against the manifest and only
+then publishes DST, atomically, as every conversion does: the rebuilt folder (weights, remote code, tokenizer, chat
 template) is the same bytes on every machine.
 
 The shipped student is the rebuilt one (its delta matrices and factors rounded to --dtype), and it is what the
@@ -37,6 +39,8 @@ import hashlib
 import importlib.util
 import json
 import logging
+import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -44,6 +48,7 @@ import torch
 
 from ..train.loop import TRAINED_TOKENS  # the file a training run writes beside every model it saves
 from .layout import ConversionError
+from .publish import check_free_space, is_out_of_space, swap_in
 
 logger = logging.getLogger("kda_hybrid.conversion")
 
@@ -147,8 +152,7 @@ def build(teacher, student, out, *, dtype: torch.dtype = torch.bfloat16, max_byt
     teacher, student, out = Path(teacher), Path(student), Path(out)
     if isinstance(low_rank, bool) or not isinstance(low_rank, int) or low_rank < 0:
         raise ConversionError(f"low_rank must be a whole number >= 0 (0: no factors), got {low_rank!r}")
-    if out.exists() and not overwrite:
-        raise ConversionError(f"{out} already exists; pass overwrite=True (--overwrite) to replace it")
+    _check_delta_destination(out, overwrite)
     pattern = _layer_pattern(student)
     theirs = _read_folder(student)
     with tempfile.TemporaryDirectory(dir=out.parent if out.parent.exists() else None) as tmp:
@@ -195,14 +199,43 @@ def build(teacher, student, out, *, dtype: torch.dtype = torch.bfloat16, max_byt
     }
     if manifest["teacher"]["sha256"] is None:
         raise ConversionError(f"{teacher}: the teacher must be one file (a .gguf) so that its hash pins it")
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({n: t.contiguous() for n, t in stored.items()}, out / DELTA_TENSORS,
-              metadata={"format": manifest["format"]})
-    (out / DELTA_MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    text = json.dumps(manifest, indent=1) + "\n"
+    _check_delta_destination(out, overwrite)  # again: the conversion above took a while
+    check_free_space(out, size + len(text) + 2**20)  # the tensors, the manifest, safetensors' header
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # written beside OUT and swapped in whole: a killed or failed build leaves the old delta (or none), never half
+    staged = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    try:
+        save_file({n: t.contiguous() for n, t in stored.items()}, staged / DELTA_TENSORS,
+                  metadata={"format": manifest["format"]})
+        (staged / DELTA_MANIFEST).write_text(text)
+        staged = swap_in(staged, out)
+    except BaseException as err:
+        if isinstance(err, Exception) and is_out_of_space(err):
+            raise ConversionError(f"{out}: the file system ran out of space while writing the delta "
+                                  f"({size:,} bytes); nothing was changed") from err
+        raise
+    finally:
+        if staged is not None:  # the staging folder after a failure, or the old delta after the swap
+            shutil.rmtree(staged, ignore_errors=True)
     factors = f" ({len(factored)} changes as rank-{low_rank} factors)" if factored else ""
     logger.info("%s: %d tensors%s, %.1f MB (%s) over %s", out, len(stored), factors, size / 1e6, manifest["dtype"],
                 teacher.name)
     return manifest
+
+
+def _check_delta_destination(out: Path, overwrite: bool) -> None:
+    """An existing OUT only with `overwrite`, and only a folder holding nothing but a delta's files."""
+    if not os.path.lexists(out):
+        return
+    if not overwrite:
+        raise ConversionError(f"{out} already exists; pass overwrite=True (--overwrite) to replace it")
+    if out.is_symlink() or not out.is_dir():
+        raise ConversionError(f"{out}: exists and is not a folder; --overwrite only replaces a delta's folder")
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in (DELTA_TENSORS, DELTA_MANIFEST))
+    if foreign:
+        raise ConversionError(f"{out}: holds {', '.join(foreign[:10])}, which no delta build wrote; --overwrite would "
+                              "delete them. Move them out or choose another destination")
 
 
 def is_matrix(t: torch.Tensor) -> bool:

@@ -348,6 +348,28 @@ class Staging:
             self._fd = None
 
 
+def swap_in(staged: Path, dst: Path) -> Path | None:
+    """Put the complete folder `staged` (a sibling of DST) at DST, durably: its files and itself fsynced, then one
+    atomic exchange with an existing DST where the system can (else two renames). Returns where the old DST now is
+    (for the caller to remove), or None when there was none. For outputs without this tool's staging protocol (the
+    caller checked that DST may be replaced)."""
+    for p in staged.iterdir():
+        _fsync(p)
+    _fsync(staged)
+    old = None
+    if not os.path.lexists(dst):
+        if not _rename2(staged, dst, _RENAME_NOREPLACE):
+            os.rename(staged, dst)
+    elif _rename2(staged, dst, _RENAME_EXCHANGE):
+        old = staged
+    else:
+        old = staged.parent / (staged.name + _OLD)
+        os.rename(dst, old)
+        os.rename(staged, dst)
+    _fsync(dst.parent)
+    return old
+
+
 def _remove(path: Path) -> None:
     """Delete one of our folders, its manifest last, so that a deletion killed halfway leaves a folder the
     next run still recognises as ours."""

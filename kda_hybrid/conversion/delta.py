@@ -231,7 +231,8 @@ def _check_delta_destination(out: Path, overwrite: bool) -> None:
     if not overwrite:
         raise ConversionError(f"{out} already exists; pass overwrite=True (--overwrite) to replace it")
     if out.is_symlink() or not out.is_dir():
-        raise ConversionError(f"{out}: exists and is not a folder; --overwrite only replaces a delta's folder")
+        raise ConversionError(f"{out}: exists and is not a folder (or is a link); --overwrite only replaces a delta's "
+                              "folder")
     foreign = sorted(p.name for p in out.iterdir() if p.name not in (DELTA_TENSORS, DELTA_MANIFEST))
     if foreign:
         raise ConversionError(f"{out}: holds {', '.join(foreign[:10])}, which no delta build wrote; --overwrite would "

@@ -336,6 +336,28 @@ def test_report_median_divergence_forced_agreement_and_chat_nll(tmp_path):
     assert got == pytest.approx(want, rel=1e-5)
 
 
+def test_report_refuses_bad_inputs_before_measuring_anything(tmp_path, capsys):
+    """Every input is checked before the first model is measured (minutes each): all errors at once, exit 2,
+    nothing written."""
+    report = _report_module()
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "meta.json").write_text("{}")
+    with pytest.raises(SystemExit) as refused:
+        report.main(["--data", str(data), "--model", f"teacher={model}", "--model", f"teacher={model}",
+                     "--model", f"gone={tmp_path / 'nope'}", "--model", "no-folder", "--heldout-chats",
+                     str(tmp_path / "none.jsonl"), "--transcript-models", "other", "--json", str(tmp_path / "r.json")])
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    for part in ("'teacher' is named twice", "gone=", "no checkpoint there", "no val_prose.bin", "no val_code.bin",
+                 "'no-folder': give NAME=FOLDER", "none.jsonl: no such file", "--transcript-models ['other']"):
+        assert part in err, part
+    assert not (tmp_path / "r.json").exists()
+
+
 def test_report_keep_replaces_measured_rows_only_beside_the_same_teacher():
     """--keep: rows measured now replace the stored ones (new ones come after), the others stay; refused when the
     teacher's figures differ from the stored report's (the rows would not be comparable)."""

@@ -180,6 +180,30 @@ def reply(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
     return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
 
 
+def check_inputs(p: argparse.ArgumentParser, args) -> dict[str, str]:
+    """{name: folder} of --model, every input checked before the first model is measured (minutes each): the
+    errors all at once, through the parser (exit 2)."""
+    bad = [f"--model {m!r}: give NAME=FOLDER" for m in args.model if "=" not in m or not m.split("=", 1)[0]]
+    pairs = [m.split("=", 1) for m in args.model if "=" in m]
+    names = [n for n, _ in pairs]
+    bad += [f"--model {n!r} is named twice" for n in dict.fromkeys(n for n in names if names.count(n) > 1)]
+    bad += [f"--model {n}={f}: no checkpoint there (no config.json)" for n, f in pairs
+            if not (Path(f) / "config.json").is_file()]
+    bad += [f"--data {args.data}: no {name} (a prepare_data.py --pydoc folder)"
+            for name in ("meta.json", "val_prose.bin", "val_code.bin") if not (args.data / name).is_file()]
+    bad += [f"{flag} {path}: no such file" for flag, path in (("--prompts", args.prompts),
+                                                             ("--heldout-chats", args.heldout_chats))
+            if path is not None and not path.is_file()]
+    unknown = [n for n in args.transcript_models or () if n not in names]
+    if unknown:
+        bad.append(f"--transcript-models {unknown}: not among this run's --model names {names}")
+    if min(args.new_tokens, args.seq_len, args.threads, args.transcript_tokens) < 1 or args.eval_rows < 0:
+        bad.append("--new-tokens, --seq-len, --threads and --transcript-tokens must be at least 1, --eval-rows >= 0")
+    if bad:
+        p.error("; ".join(bad))
+    return dict(pairs)
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", type=Path, required=True, help="a prepare_data.py --pydoc folder")
@@ -203,11 +227,8 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     if args.prompts is None and args.heldout_chats is None:
         p.error("give --prompts, --heldout-chats or both")
+    models = check_inputs(p, args)
     torch.set_num_threads(args.threads)
-    models = dict(m.split("=", 1) for m in args.model)
-    unknown = [n for n in args.transcript_models or () if n not in models]
-    if unknown:
-        p.error(f"--transcript-models {unknown}: not among this run's --model names {list(models)}")
     meta = json.loads((args.data / "meta.json").read_text())
     bos_id = meta["bos_token_id"]
     prose, code = load_tokens(args.data / "val_prose.bin"), load_tokens(args.data / "val_code.bin")

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from kda_hybrid.layers_kda_hybrid import packed_cu_seqlens
-from kda_hybrid.train.data import IGNORE_INDEX, load_tokens, make_batch, num_rows
+from kda_hybrid.train.data import IGNORE_INDEX, load_tokens, make_batch, missing_inputs, num_rows
 from kda_hybrid.train.loop import add_arguments, fit, resumable_checkpoint, trained_tokens
 
 
@@ -305,6 +305,10 @@ def parse_args(argv=None):
                         "student ships as the teacher plus its KDA layers: python -m kda_hybrid.conversion.delta), "
                         "or the KDA layers and the RMSNorm gains (a delta a few hundred KB larger)")
     args = add_arguments(p).parse_args(argv)
+    missing = missing_inputs(data=[("--data", args.data)], models=[("--teacher", args.teacher),
+                                                                  ("--student", args.student)])
+    if missing:
+        p.error("; ".join(missing))
     if args.temperature <= 0 or min(args.kl_weight, args.ce_weight, args.lora_rank, args.calibrate_rows) < 0:
         p.error("--temperature must be > 0 and --kl-weight, --ce-weight, --lora-rank, --calibrate-rows >= 0")
     if args.inherited_lr_ratio is not None and (args.stage != 2 or args.trainable == "kda"

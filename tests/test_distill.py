@@ -352,10 +352,29 @@ def test_report_refuses_bad_inputs_before_measuring_anything(tmp_path, capsys):
                      str(tmp_path / "none.jsonl"), "--transcript-models", "other", "--json", str(tmp_path / "r.json")])
     assert refused.value.code == 2
     err = capsys.readouterr().err
-    for part in ("'teacher' is named twice", "gone=", "no checkpoint there", "no val_prose.bin", "no val_code.bin",
-                 "'no-folder': give NAME=FOLDER", "none.jsonl: no such file", "--transcript-models ['other']"):
+    for part in ("'teacher' is named twice", "gone=", "no checkpoint folder (with config.json) or .gguf file there",
+                 "val_prose.bin: no such file", "val_code.bin: no such file", "'no-folder': give NAME=FOLDER",
+                 "none.jsonl: no such file", "--transcript-models ['other']"):
         assert part in err, part
     assert not (tmp_path / "r.json").exists()
+
+
+def test_distill_and_rank_layers_refuse_missing_inputs_before_loading_anything(tmp_path, capsys):
+    """A path that is not on this machine is named at once (not looked up on the Hub after a minute of loading)."""
+    gguf = tmp_path / "teacher.gguf"
+    gguf.write_bytes(b"GGUF")  # a .gguf file is a teacher; only its presence is checked here
+    rl = load_script("examples/smollm2/rank_layers.py", "rank_layers_example")
+    with pytest.raises(SystemExit) as refused:
+        rl.main(["--teacher", str(tmp_path / "nope"), "--student", str(tmp_path), "--data", str(tmp_path)])
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--teacher {tmp_path / 'nope'}: no checkpoint folder" in err and f"--student {tmp_path}: no" in err
+    assert f"--data {tmp_path}: no prepare_data.py folder there (no meta.json)" in err
+    r = subprocess.run([sys.executable, str(REPO / "examples" / "distill.py"), "--stage", "2", "--teacher", str(gguf),
+                        "--student", str(tmp_path / "student"), "--data", str(tmp_path), "--out", str(tmp_path / "o"),
+                        "--steps", "1"], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 2 and "--teacher" not in r.stderr.split("error:")[-1]
+    assert "--student" in r.stderr and "--data" in r.stderr and not (tmp_path / "o").exists()
 
 
 def test_report_keep_replaces_measured_rows_only_beside_the_same_teacher():

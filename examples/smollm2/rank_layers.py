@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from kda_hybrid.train.data import load_tokens, make_batch, num_rows
+from kda_hybrid.train.data import load_tokens, make_batch, missing_inputs, num_rows
 from kda_hybrid.train.loop import TRAINED_TOKENS, trained_tokens
 
 FULL, LINEAR = "full_attention", "linear_attention"
@@ -115,6 +115,10 @@ def main(argv=None) -> int:
     p.add_argument("--write-student", type=Path, default=None, help="save the student with the --keep best layers")
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
+    missing = missing_inputs(data=[("--data", args.data)], models=[("--teacher", args.teacher),
+                                                                  ("--student", args.student)])
+    if missing:
+        p.error("; ".join(missing))
     if args.tokens < 1 or args.seq_len < 1:
         p.error("--tokens and --seq-len must be positive")
     if args.write_student is not None and args.write_student.exists():

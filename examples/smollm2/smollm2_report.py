@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from kda_hybrid.checkpoint_kda_hybrid import cache_bytes, format_bytes
-from kda_hybrid.train.data import IGNORE_INDEX, load_tokens, make_batch, num_rows
+from kda_hybrid.train.data import IGNORE_INDEX, load_tokens, make_batch, missing_inputs, num_rows
 from kda_hybrid.train.loop import trained_tokens
 
 CONTEXT = 32768
@@ -187,13 +187,12 @@ def check_inputs(p: argparse.ArgumentParser, args) -> dict[str, str]:
     pairs = [m.split("=", 1) for m in args.model if "=" in m]
     names = [n for n, _ in pairs]
     bad += [f"--model {n!r} is named twice" for n in dict.fromkeys(n for n in names if names.count(n) > 1)]
-    bad += [f"--model {n}={f}: no checkpoint there (no config.json)" for n, f in pairs
-            if not (Path(f) / "config.json").is_file()]
-    bad += [f"--data {args.data}: no {name} (a prepare_data.py --pydoc folder)"
-            for name in ("meta.json", "val_prose.bin", "val_code.bin") if not (args.data / name).is_file()]
-    bad += [f"{flag} {path}: no such file" for flag, path in (("--prompts", args.prompts),
-                                                             ("--heldout-chats", args.heldout_chats))
-            if path is not None and not path.is_file()]
+    bad += missing_inputs(models=[(f"--model {n}=", f) for n, f in pairs],
+                          files=[(flag, path) for flag, path in (("--data", args.data / "val_prose.bin"),
+                                                                 ("--data", args.data / "val_code.bin"),
+                                                                 ("--prompts", args.prompts),
+                                                                 ("--heldout-chats", args.heldout_chats))
+                                 if path is not None])
     unknown = [n for n in args.transcript_models or () if n not in names]
     if unknown:
         bad.append(f"--transcript-models {unknown}: not among this run's --model names {names}")

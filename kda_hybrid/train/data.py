@@ -26,6 +26,19 @@ import torch.nn.functional as F
 IGNORE_INDEX = -100  # the label of a document's first token (and cross_entropy's default ignore_index)
 
 
+def missing_inputs(*, data=(), models=(), files=()) -> list[str]:
+    """What of a script's inputs is not on this machine, one line each (empty: all there). data: (flag, folder) pairs,
+    prepare_data.py folders (their meta.json); models: (flag, path) pairs, checkpoint folders (config.json) or .gguf
+    files; files: (flag, path) pairs. Scripts check before their first minute of work, and never download: a
+    missing path is not looked up on the Hub."""
+    bad = [f"{flag} {path}: no prepare_data.py folder there (no meta.json)" for flag, path in data
+           if not (Path(path) / "meta.json").is_file()]
+    bad += [f"{flag} {path}: no checkpoint folder (with config.json) or .gguf file there" for flag, path in models
+            if not ((Path(path) / "config.json").is_file() or Path(path).suffix == ".gguf" and Path(path).is_file())]
+    bad += [f"{flag} {path}: no such file" for flag, path in files if not Path(path).is_file()]
+    return bad
+
+
 # ------------------------------------------------------------------------------------------------------
 # Packed rows from a token stream
 # ------------------------------------------------------------------------------------------------------

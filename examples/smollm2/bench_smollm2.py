@@ -28,6 +28,7 @@ from kda_hybrid.bench.compare import Contestant, report_targets, versus_llama
 from kda_hybrid.bench.report import Report, benchmark_parser
 from kda_hybrid.checkpoint_kda_hybrid import cache_bytes, format_bytes
 from kda_hybrid.modeling_kda_hybrid import lay_out_for_cpu_decode
+from kda_hybrid.train.data import missing_inputs
 
 TARGETS = {256: {"decode": 1.0}, 4096: {"prefill": 1.0}, 16384: {"decode": 0.5}}
 
@@ -53,9 +54,13 @@ def main():
     parser.add_argument("--layout", action="store_true",
                         help="also each student after prepare_cpu_decode() and SmolLM2 with the same weight layout")
     args = parser.parse_args()
+    named = [s.split("=", 1) for s in args.student]
+    bad = [f"--student {s!r}: give NAME=FOLDER" for s, pair in zip(args.student, named) if len(pair) != 2]
+    bad += missing_inputs(models=[(f"--student {pair[0]}=", pair[1]) for pair in named if len(pair) == 2])
+    if bad or min(args.contexts + [args.steps]) < 1:
+        parser.error("; ".join(bad) or "--contexts and --steps must be at least 1")
     report = Report(args)
     teacher = Contestant("SmolLM2", load())
-    named = [s.split("=", 1) for s in args.student]
     students = [Contestant(name, load(folder)) for name, folder in named]
     baselines, laid_out = [teacher], []
     if args.layout:

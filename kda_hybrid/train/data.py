@@ -31,11 +31,14 @@ def missing_inputs(*, data=(), models=(), files=()) -> list[str]:
     prepare_data.py folders (their meta.json); models: (flag, path) pairs, checkpoint folders (config.json) or .gguf
     files; files: (flag, path) pairs. Scripts check before their first minute of work, and never download: a
     missing path is not looked up on the Hub."""
-    bad = [f"{flag} {path}: no prepare_data.py folder there (no meta.json)" for flag, path in data
+    def named(flag, path):  # "--data out/x", or "--model NAME=out/x" for a flag given as "--model NAME="
+        return f"{flag}{'' if flag.endswith('=') else ' '}{path}"
+
+    bad = [f"{named(flag, path)}: no prepare_data.py folder there (no meta.json)" for flag, path in data
            if not (Path(path) / "meta.json").is_file()]
-    bad += [f"{flag} {path}: no checkpoint folder (with config.json) or .gguf file there" for flag, path in models
+    bad += [f"{named(flag, path)}: no checkpoint folder (with config.json) or .gguf file there" for flag, path in models
             if not ((Path(path) / "config.json").is_file() or Path(path).suffix == ".gguf" and Path(path).is_file())]
-    bad += [f"{flag} {path}: no such file" for flag, path in files if not Path(path).is_file()]
+    bad += [f"{named(flag, path)}: no such file" for flag, path in files if not Path(path).is_file()]
     return bad
 
 

@@ -92,7 +92,7 @@ class Conversation:
             ids = self.tokenizer(self._template([user], True), add_special_tokens=False, return_tensors="pt")
             return ids["input_ids"]
         shown = self._template([*self.messages[:-1], {"role": "assistant", "content": self.MARK}, user], True)
-        head, found, tail = shown.partition(self.MARK)
+        _, found, tail = shown.partition(self.MARK)
         if not found or not shown.startswith(self._template(self.messages[:-1], True)):
             raise ValueError("this chat template does not show a reply verbatim after the previous turns; the "
                              "conversation cannot go on from the cache")

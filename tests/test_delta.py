@@ -291,6 +291,12 @@ def test_a_delta_over_the_size_limit_or_of_a_non_student_is_refused(distilled, t
     assert not (tmp_path / "delta").exists()
     with pytest.raises(ConversionError, match="not a kda_hybrid checkpoint"):
         delta_module.build(teacher, teacher.parent, tmp_path / "delta")
+    adapter = tmp_path / "adapter"  # what a PeftModel's save_pretrained writes
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    with pytest.raises(ConversionError, match="a PEFT adapter folder, not a checkpoint: merge the adapters"):
+        delta_module.build(teacher, adapter, tmp_path / "delta")
+    assert not (tmp_path / "delta").exists()
 
 
 

@@ -104,6 +104,10 @@ def _read_folder(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def _layer_pattern(folder: Path) -> str:
+    if (folder / "adapter_config.json").is_file() and not (folder / "config.json").is_file():
+        raise ConversionError(f"{folder}: a PEFT adapter folder, not a checkpoint: merge the adapters into the model "
+                              "and save that (model.merge_and_unload().save_pretrained(...)), then build from it "
+                              "(--low-rank R keeps their change as factors)")
     try:
         config = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError) as err:

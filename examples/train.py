@@ -37,6 +37,7 @@ import json
 
 import torch
 
+from kda_hybrid.train.data import missing_inputs
 from kda_hybrid.train.loop import add_arguments, fit, trained_tokens
 
 
@@ -64,7 +65,11 @@ def parse_args(argv=None):
     p.add_argument("--model", help="fine-tune this checkpoint (default: train kda_hybrid.bench.shapes.tiny_6p5m)")
     p.add_argument("--config-json", help='overrides of the 6.5M shape, e.g. \'{"num_hidden_layers": 4}\'')
     p.add_argument("--all-attention", action="store_true", help="every layer full attention (the twin)")
-    return add_arguments(p).parse_args(argv)
+    args = add_arguments(p).parse_args(argv)
+    missing = missing_inputs(data=[("--data", args.data)])  # --model may be a Hub repo id
+    if missing:
+        p.error("; ".join(missing))
+    return args
 
 
 def main(argv=None) -> dict:

@@ -8,7 +8,7 @@
 #   B. the same without adapters: a second pass at the lower LR, the control
 # On a machine without stage 2's run (out/ is not in git), the start is the shipped student rebuilt from its delta
 # (deltas/smollm2-hybrid: stage 2's final model with its KDA matrices in bf16, and its training tokens), and the
-# corpus, the reference and the data are made first (teacher_corpus_data.sh, about 1.5 hours on 2 cores).
+# corpus, the reference and the data are made first (teacher_corpus_data.sh, about 2.5 hours on 2 cores).
 # Each arm resumes after a kill (run the script again; finished arms are skipped). Then the report of both arms'
 # milestones and finals (--keep: every row measured before stays), the curve, and arm A's delta built under $OUT
 # (not deltas/: shipping the winner is a separate, deliberate step) to show its size.

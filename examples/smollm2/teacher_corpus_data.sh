@@ -2,8 +2,8 @@
 # Steps 1-3 of the teacher-corpus recipe, shared by distill_teacher_corpus.sh and distill_stage3_lora.sh; each step
 # skips what is done and resumes after a kill:
 #   1. the teacher corpus: its sampled replies to examples/smollm2/distill_prompts.txt and continuations of its seeds
-#      (teacher_corpus.py, llama.cpp engine; about 10% of the prompts held out for the report; about 1.5 hours on
-#      2 cores)
+#      (teacher_corpus.py: the first 86 batches by transformers, the rest by llama.cpp, as the corpus on record was
+#      built; about 10% of the prompts held out for the report; about 2.5 hours on 2 cores)
 #   2. the teacher as an all-attention hybrid (all-A: the reference and the attention layers to restore) and the
 #      all-KDA student (all-k)
 #   3. the data: the stdlib + pydoc_data corpus, the corpus's training chats (CHAT_REPEAT times) and continuations,

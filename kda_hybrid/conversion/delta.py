@@ -207,7 +207,8 @@ def build(teacher, student, out, *, dtype: torch.dtype = torch.bfloat16, max_byt
     _check_delta_destination(out, overwrite)  # again: the conversion above took a while
     check_free_space(out, size + len(text) + 2**20)  # the tensors, the manifest, safetensors' header
     out.parent.mkdir(parents=True, exist_ok=True)
-    # written beside OUT and swapped in whole: a killed or failed build leaves the old delta (or none), never half
+    # written beside OUT and swapped in whole: a failed build leaves the old delta (or none), never half; a SIGKILLed
+    # one leaves its hidden .OUT.*.partial folder beside it too (safe to delete)
     staged = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     try:
         save_file({n: t.contiguous() for n, t in stored.items()}, staged / DELTA_TENSORS,

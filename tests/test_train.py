@@ -363,3 +363,15 @@ def test_make_batch_rejects_rows_outside_the_stream():
             training.make_batch(tokens, rows, SEQ_LEN, bos_id=1)
     with pytest.raises(ValueError, match="seq_len must be a positive int"):
         training.num_rows(tokens, 0)
+
+
+def test_bf16_on_a_cpu_that_emulates_it_is_warned_about():
+    """bf16 autocast on a CPU without AVX512-BF16 / AMX runs emulated bf16 products (730 ms against 5.8 ms in fp32
+    for a 512 x 576 by 576 x 1,536 product on an AMD EPYC without AVX-512): fit() says so before training."""
+    from kda_hybrid.train.loop import cpu_has_native_bf16, precision_warning
+
+    assert isinstance(cpu_has_native_bf16(), bool)
+    assert "emulated, up to 100x slower than fp32" in precision_warning("bf16", on_cpu=True, native_bf16=False)
+    assert precision_warning("bf16", on_cpu=True, native_bf16=True) is None
+    assert precision_warning("bf16", on_cpu=False, native_bf16=False) is None  # a GPU
+    assert precision_warning("no", on_cpu=True, native_bf16=False) is None

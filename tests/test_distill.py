@@ -389,6 +389,12 @@ def test_report_keep_replaces_measured_rows_only_beside_the_same_teacher():
     assert merged["old"]["nll_prose"] == 5.0 and merged["redo"]["nll_prose"] == 3.0
     with pytest.raises(SystemExit, match="nll_code"):
         report.kept(stored, {"teacher": {**teacher, "nll_code": 1.6}}, "teacher")
+    # the same teacher on another CPU: NLLs a few 1e-6 apart (relative) still compare; counts and layers exactly
+    assert report.kept(stored, {"teacher": {**teacher, "nll_prose": 2.0 * (1 + 4e-6)}}, "teacher")["old"]
+    with pytest.raises(SystemExit, match="nll_prose"):
+        report.kept(stored, {"teacher": {**teacher, "nll_prose": 2.0 * (1 + 1e-3)}}, "teacher")
+    with pytest.raises(SystemExit, match="cache_32k_bytes"):
+        report.kept(stored, {"teacher": {**teacher, "cache_32k_bytes": 101}}, "teacher")
     with pytest.raises(SystemExit, match="teacher"):
         report.kept(stored, {"other": teacher}, "other")
 

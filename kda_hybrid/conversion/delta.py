@@ -394,12 +394,11 @@ def main(argv: list[str] | None = None) -> int:
                   max_bytes=int(args.max_mb * 2**20), install=args.install, package_path=args.package_path,
                   overwrite=args.overwrite, low_rank=args.low_rank)
             print(f"wrote {args.delta}")
-        elif args.if_stale and not rebuild_if_stale(args.delta, args.dst, teacher=args.teacher):
-            print(f"{args.dst} already holds a rebuild of {args.delta}")
+        elif args.if_stale:
+            rebuilt = rebuild_if_stale(args.delta, args.dst, teacher=args.teacher)
+            print(f"wrote {args.dst}" if rebuilt else f"{args.dst} already holds a rebuild of {args.delta}")
         else:
-            if not args.if_stale:
-                rebuild(args.delta, args.dst, teacher=args.teacher, overwrite=args.overwrite)
-            print(f"wrote {args.dst}")
+            print(f"wrote {rebuild(args.delta, args.dst, teacher=args.teacher, overwrite=args.overwrite)}")
     except (ConversionError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -2,7 +2,8 @@
 Python has them), a byte-level BPE tokenizer trained on it, and the token streams.
 With --pydoc, the documentation text Python ships too (pydoc_data.topics), held out by the same rule. With
 --chats, chat documents (examples/smollm2/chat_distill_data.py: a training-split passage as the user turn, the teacher's
-reply as the assistant turn) join the training split through the tokenizer's chat template.
+reply as the assistant turn; examples/smollm2/teacher_corpus.py: the teacher's replies, and conversations whose
+earlier turns come in "history") join the training split through the tokenizer's chat template.
 
     python examples/prepare_data.py --out data/stdlib                       # stdlib corpus + a new tokenizer
     python examples/prepare_data.py --source my_repo --glob "**/*.py" \\
@@ -84,9 +85,24 @@ def json_lines(path: Path, what: str):
     return records
 
 
+def _history(record: dict) -> list[dict] | None:
+    """A chat's earlier turns (teacher_corpus.py's conversations), or None unless they are {"role", "content"}
+    messages, user then assistant, in pairs, each a non-empty string."""
+    history = record.get("history", [])
+    if not isinstance(history, list) or len(history) % 2:
+        return None
+    for k, m in enumerate(history):
+        if not (isinstance(m, dict) and m.keys() == {"role", "content"} and m["role"] == ("user", "assistant")[k % 2]
+                and isinstance(m["content"], str) and m["content"].strip()):
+            return None
+    return history
+
+
 def read_chats(path: Path) -> list[tuple[list[dict], bool]]:
     """The chats of a JSON lines file ({"user": ..., "assistant": ..., optional "complete": false when the reply was
-    cut short} per line) as (messages, complete); ValueError naming the line of anything else."""
+    cut short, optional "history": the earlier turns of a conversation, [{"role": "user", "content": ...},
+    {"role": "assistant", ...}, ...]} per line) as (messages, complete); ValueError naming the line of anything
+    else."""
     chats = []
     for n, record in json_lines(path, "chats"):
         if not (record is not None and all(isinstance(record.get(k), str) and record[k].strip()
@@ -94,8 +110,12 @@ def read_chats(path: Path) -> list[tuple[list[dict], bool]]:
             raise ValueError(f"{path}:{n}: expected an object with non-empty strings 'user' and 'assistant'")
         if not isinstance(record.get("complete", True), bool):
             raise ValueError(f"{path}:{n}: 'complete' must be true or false, got {record['complete']!r}")
-        messages = [{"role": "user", "content": record["user"]},
-                    {"role": "assistant", "content": record["assistant"]}]
+        history = _history(record)
+        if history is None:
+            raise ValueError(f"{path}:{n}: 'history' must be a list of user and assistant turns in pairs, "
+                             "{\"role\": ..., \"content\": a non-empty string} each, user first")
+        messages = history + [{"role": "user", "content": record["user"]},
+                              {"role": "assistant", "content": record["assistant"]}]
         chats.append((messages, record.get("complete", True)))
     return chats
 
@@ -126,13 +146,15 @@ def render_chat(tokenizer, messages: list[dict], complete: bool) -> str:
 
 def prepare(out: Path, source: Path | None = None, pattern: str = "**/*.py", tokenizer_path: str | None = None,
             vocab_size: int = 2048, max_files: int | None = None, pydoc: bool = False,
-            document_token: str | None = None, chats: Path | None = None, chat_repeat: int = 1,
+            document_token: str | None = None, chats: Path | list[Path] | None = None, chat_repeat: int = 1,
             texts: Path | None = None) -> dict:
     if chat_repeat < 1:
         raise ValueError(f"--chat-repeat must be >= 1, got {chat_repeat}")
-    if chats is not None and not tokenizer_path:
+    chat_files = [chats] if isinstance(chats, Path) else list(chats or [])
+    if chat_files and not tokenizer_path:
         raise ValueError("--chats needs --tokenizer (a checkpoint whose tokenizer has a chat template)")
-    chat_messages = read_chats(chats) if chats is not None else []
+    per_file = [read_chats(f) for f in chat_files]  # every file checked before anything is written
+    chat_messages = [chat for chats_of_file in per_file for chat in chats_of_file]
     extra_texts = read_texts(texts) if texts is not None else []
     root = source or stdlib_root()
     files = corpus_files(root, pattern)[:max_files]
@@ -199,7 +221,8 @@ def prepare(out: Path, source: Path | None = None, pattern: str = "**/*.py", tok
                        "sha1": hashlib.sha1(tokens.tobytes()).hexdigest()}
     meta["val"]["names"] = names["val"]
     if chat_messages:
-        meta["train"]["chats"] = {"file": str(chats), "sha1": hashlib.sha1(chats.read_bytes()).hexdigest(),
+        meta["train"]["chats"] = {"files": [{"file": str(f), "sha1": hashlib.sha1(f.read_bytes()).hexdigest(),
+                                             "count": len(c)} for f, c in zip(chat_files, per_file)],
                                   "count": len(chat_messages), "repeat": chat_repeat}
     if extra_texts:
         meta["train"]["texts"] = {"file": str(texts), "sha1": hashlib.sha1(texts.read_bytes()).hexdigest(),
@@ -221,9 +244,10 @@ def main(argv=None):
                         "val_code.bin / val_prose.bin beside val.bin")
     p.add_argument("--document-token", help="start and end every document with this token of the tokenizer "
                                             "(e.g. '<|endoftext|>' for SmolLM2) instead of its bos / eos")
-    p.add_argument("--chats", type=Path, help="JSON lines of {\"user\", \"assistant\"} chats (examples/"
-                                              "chat_distill_data.py) to add to the training split through the "
-                                              "tokenizer's chat template; the training documents are then shuffled")
+    p.add_argument("--chats", type=Path, nargs="+", help="JSON lines of {\"user\", \"assistant\"} chats, and "
+                   "of conversations with their earlier turns in \"history\" (examples/smollm2/chat_distill_data.py, "
+                   "examples/smollm2/teacher_corpus.py), to add to the training split through the tokenizer's chat "
+                   "template, one file or several, in this order; the training documents are then shuffled")
     p.add_argument("--chat-repeat", type=int, default=1, help="each chat joins the training split this many times")
     p.add_argument("--texts", type=Path, help="JSON lines of {\"text\"} or {\"seed\", \"text\"} documents "
                                               "(teacher_corpus.py's continuations) to add to the training split")

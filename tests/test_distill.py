@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -336,6 +337,79 @@ def test_report_median_divergence_forced_agreement_and_chat_nll(tmp_path):
     assert got == pytest.approx(want, rel=1e-5)
 
 
+def test_report_measures_later_turns_of_conversations_apart(tmp_path):
+    """--heldout-followups: per held-out prompt the first sample that reached a later turn; the later turn's NLL,
+    greedy agreement and teacher-forced top-1 after the earlier turns (the teacher's own: 1.0; another model: its
+    figures beside); the single-turn figures are the same as a run without it; --keep beside a stored report of
+    single turns leaves its rows' later-turn cells empty."""
+    from ._tokenizer import VOCAB_SIZE, tiny_tokenizer
+    from .helpers import tiny_model
+
+    report = _report_module()
+    folders = {}
+    for name, seed in (("teacher", 0), ("student", 1)):
+        folders[name] = tmp_path / name
+        tiny_model("gqa", seed=seed, vocab_size=VOCAB_SIZE, eos_token_id=2).save_pretrained(folders[name])
+        tiny_tokenizer().save_pretrained(folders[name])
+    data = tmp_path / "data"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    for split in ("val_prose", "val_code"):
+        rng.integers(3, VOCAB_SIZE, 200).astype(np.uint16).tofile(data / f"{split}.bin")
+    (data / "meta.json").write_text(json.dumps({"bos_token_id": 1, "val": {"names": ["a.py", "pydoc_data/topics/x"]}}))
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"user": u, "assistant": a, "complete": True, "prompt": i, "sample": 0}) + "\n"
+                             for i, (u, a) in enumerate([("Name a colour.", "Blue."), ("Say hi.", "Hi there.")])))
+
+    def turn(prompt, sample, first, reply, history=True):
+        h = [{"role": "user", "content": first}, {"role": "assistant", "content": reply}] if history else None
+        row = {"user": "And the next one?" if history else first, "assistant": "Two.", "complete": True,
+               "prompt": prompt, "sample": sample}
+        return {**row, "history": h} if h else row
+
+    followups = tmp_path / "followups.jsonl"
+    rows = [turn(3, 0, "Count to one.", "One.", history=False),  # cut short at its first turn: no later turn
+            turn(3, 1, "Count to one.", "One, that is all."), turn(3, 2, "Count to one.", "One!"),
+            turn(5, 0, "Name a month.", "May."), turn(5, 1, "Name a month.", "June.")]
+    followups.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert report.followup_prompts(report.read_chats(followups)) == [
+        rows[1]["history"] + [{"role": "user", "content": "And the next one?"}],
+        rows[3]["history"] + [{"role": "user", "content": "And the next one?"}]]
+
+    def run(name, *extra):
+        return report.main(["--data", str(data), "--model", f"teacher={folders['teacher']}", "--model",
+                            f"student={folders['student']}", "--heldout-chats", str(chats), "--new-tokens", "6",
+                            "--seq-len", "64", "--json", str(tmp_path / name), *extra])
+
+    single = run("single.json")
+    both = run("both.json", "--heldout-followups", str(followups), "--transcripts", str(tmp_path / "t.md"),
+               "--transcript-prompts", "1", "--transcript-tokens", "4")
+    shown = (tmp_path / "t.md").read_text()
+    assert "## Name a colour." in shown and "## And the next one?\n\nafter user: 'Count to one.' / assistant: " \
+        "'One, that is all.'" in shown and shown.count("**student**") == 2
+    teacher, student = both["teacher"], both["student"]
+    assert teacher["followup_agreement"] == teacher["followup_top1"] == 1.0
+    assert teacher["followup_prefix"] == teacher["followup_median_divergence"] == 6
+    assert student["followup_top1"] < 1.0 and student["nll_followup"] > 0
+    for name in single:  # the single-turn figures are untouched
+        assert {k: v for k, v in both[name].items() if k not in ("seconds", "nll_followup") and "followup" not in k} \
+            == {k: v for k, v in single[name].items() if k != "seconds"}
+    model, tok = report.load(str(folders["teacher"]))
+    later = [r for r in rows if "history" in r]  # every sample of a later turn, after its own history
+    assert teacher["nll_followup"] == pytest.approx(report.chat_nll(model, tok, later), rel=1e-6)
+    alone = report.chat_nll(model, tok, [{k: v for k, v in r.items() if k != "history"} for r in later])
+    assert teacher["nll_followup"] != pytest.approx(alone, rel=1e-3)
+    table = json.loads((tmp_path / "both.json").read_text())["table"]
+    assert "later turns: top-1" in table and "100.0% (6) | 100.0% |" in table
+
+    (tmp_path / "kept.json").write_text((tmp_path / "single.json").read_text())
+    kept = report.main(["--data", str(data), "--model", f"teacher={folders['teacher']}", "--heldout-chats", str(chats),
+                        "--heldout-followups", str(followups), "--new-tokens", "6", "--seq-len", "64", "--json",
+                        str(tmp_path / "kept.json"), "--keep"])
+    assert list(kept) == ["teacher", "student"] and "nll_followup" not in kept["student"]
+    assert json.loads((tmp_path / "kept.json").read_text())["table"].splitlines()[-1].endswith(" - | - | - |")
+
+
 def test_report_refuses_bad_inputs_before_measuring_anything(tmp_path, capsys):
     """Every input is checked before the first model is measured (minutes each): all errors at once, exit 2,
     nothing written."""
@@ -400,9 +474,10 @@ def test_report_keep_replaces_measured_rows_only_beside_the_same_teacher():
 
 
 def test_prepare_data_chats_join_the_training_split_through_the_chat_template(tmp_path):
-    """--chats: each chat, rendered by the tokenizer's chat template, is a training document --chat-repeat times;
-    the held-out splits are those of the same corpus without chats; a bad line or a tokenizer without a chat
-    template is refused before anything is written."""
+    """--chats: each chat, rendered by the tokenizer's chat template, is a training document --chat-repeat times,
+    a conversation (teacher_corpus.py's "history") with its earlier turns, from one file or several; the held-out
+    splits are those of the same corpus without chats; a bad line (a malformed history too) or a tokenizer without a
+    chat template is refused before anything is written."""
     from transformers import AutoTokenizer
 
     from kda_hybrid.train.data import load_tokens
@@ -420,10 +495,14 @@ def test_prepare_data_chats_join_the_training_split_through_the_chat_template(tm
                                          "assistant": f"It adds {i} to x.", "complete": i < 2}) + "\n"
                              for i in range(3)))  # the last reply was cut short: its turn stays open
 
-    def prepare(out, *extra, check=True):
+    turns = tmp_path / "turns.jsonl"
+    history = [{"role": "user", "content": "Name f_5."}, {"role": "assistant", "content": "f_5 adds 5."}]
+    turns.write_text(json.dumps({"user": "And f_6?", "assistant": "f_6 adds 6.", "history": history}) + "\n")
+
+    def prepare(out, *extra, check=True, files=(chats,)):
         return subprocess.run([sys.executable, str(REPO / "examples" / "prepare_data.py"), "--out", str(out),
                                "--source", str(src), "--tokenizer", str(tokenizer), "--document-token", "<|pad|>",
-                               "--chats", str(chats), *extra], capture_output=True, text=True, check=check,
+                               "--chats", *map(str, files), *extra], capture_output=True, text=True, check=check,
                               env={**os.environ, "PYTHONPATH": str(REPO)})
 
     tokenizer = plain  # no chat template: refused
@@ -437,6 +516,7 @@ def test_prepare_data_chats_join_the_training_split_through_the_chat_template(tm
     prepare(out, "--chat-repeat", "2")
     meta, base = json.loads((out / "meta.json").read_text()), json.loads((plain / "meta.json").read_text())
     assert meta["train"]["chats"]["count"] == 3 and meta["train"]["chats"]["repeat"] == 2
+    assert [f["count"] for f in meta["train"]["chats"]["files"]] == [3]
     assert meta["train"]["files"] == base["train"]["files"] + 6
     assert (out / "val.bin").read_bytes() == (plain / "val.bin").read_bytes()
     text = tok.decode(load_tokens(out / "train.bin").tolist())
@@ -444,6 +524,20 @@ def test_prepare_data_chats_join_the_training_split_through_the_chat_template(tm
         assert text.count(f"<user>What is f_{i}?</user>\n<assistant>It adds {i} to x.</assistant>") == 2
     assert text.count("<user>What is f_2?</user>\n<assistant>It adds 2 to x.<|pad|>") == 2
     assert text.count("return x + 7\n") == 1  # the corpus documents all still there, once
+    both = tmp_path / "both"
+    prepare(both, files=(chats, turns))
+    meta = json.loads((both / "meta.json").read_text())
+    assert [f["count"] for f in meta["train"]["chats"]["files"]] == [3, 1] and meta["train"]["files"] == \
+        base["train"]["files"] + 4
+    text = tok.decode(load_tokens(both / "train.bin").tolist())
+    assert text.count("<user>Name f_5.</user>\n<assistant>f_5 adds 5.</assistant>\n<user>And f_6?</user>\n"
+                      "<assistant>f_6 adds 6.</assistant>") == 1
+    assert text.count("<user>What is f_0?</user>\n<assistant>It adds 0 to x.</assistant>") == 1
+    for bad in (history[:1], [history[1], history[0]], [{**history[0], "content": " "}, history[1]],
+                [{**history[0], "name": "x"}, history[1]], "Name f_5."):
+        turns.write_text(json.dumps({"user": "And f_6?", "assistant": "f_6 adds 6.", "history": bad}) + "\n")
+        r = prepare(tmp_path / "bad", check=False, files=(chats, turns))
+        assert r.returncode != 0 and "turns.jsonl:1: 'history'" in r.stderr and not (tmp_path / "bad").exists()
     chats.write_text(chats.read_text() + '{"user": "no reply"}\n')
     r = prepare(tmp_path / "bad", check=False)
     assert r.returncode != 0 and "chats.jsonl:4" in r.stderr and not (tmp_path / "bad").exists()

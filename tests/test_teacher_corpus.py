@@ -50,6 +50,12 @@ def _run(teacher, out, prompts, *extra):
                     "--held-out", "0.3", *extra])
 
 
+def _kill_mid_write(log: Path) -> None:
+    """What a kill mid-write leaves: the log's last line cut short, its batch no longer whole."""
+    lines = log.read_bytes().split(b"\n")
+    log.write_bytes(b"\n".join(lines[:-2]) + b"\n" + lines[-2][:10])
+
+
 def _files(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
 
@@ -72,8 +78,7 @@ def test_corpus_resumes_after_a_kill_to_what_one_run_writes(teacher, tmp_path):
     _run(teacher, part, prompts, "--max-batches", "1")
     assert json.loads((part / "manifest.json").read_text())["complete"] is False
     _run(teacher, part, prompts, "--max-batches", "2")
-    lines = (part / "samples.jsonl").read_bytes().split(b"\n")
-    (part / "samples.jsonl").write_bytes(b"\n".join(lines[:-2]) + b"\n" + lines[-2][:10])
+    _kill_mid_write(part / "samples.jsonl")
     _run(teacher, part, prompts)
     assert _files(part) == whole
 
@@ -244,8 +249,7 @@ def test_conversations_reply_to_every_turn_in_context_and_resume(ending_teacher,
 
     part = tmp_path / "parts"
     _run(ending_teacher, part, prompts, "--samples", "4", "--max-batches", "2")
-    lines = (part / "samples.jsonl").read_bytes().split(b"\n")
-    (part / "samples.jsonl").write_bytes(b"\n".join(lines[:-2]) + b"\n" + lines[-2][:10])
+    _kill_mid_write(part / "samples.jsonl")
     _run(ending_teacher, part, prompts, "--samples", "4")
     assert _files(part) == whole
 
@@ -294,8 +298,7 @@ def test_llama_cpp_corpus_resumes_to_what_one_run_writes(gguf_teacher, tmp_path)
     assert len({r["text"] for r in log}) > 1  # sampled, not one reply repeated
     part = tmp_path / "parts"
     _run(gguf_teacher, part, prompts, "--engine", "llama_cpp", "--max-batches", "2")
-    lines = (part / "samples.jsonl").read_bytes().split(b"\n")
-    (part / "samples.jsonl").write_bytes(b"\n".join(lines[:-2]) + b"\n" + lines[-2][:10])
+    _kill_mid_write(part / "samples.jsonl")
     _run(gguf_teacher, part, prompts, "--engine", "llama_cpp")
     assert _files(part) == whole
 

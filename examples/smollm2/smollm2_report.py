@@ -182,6 +182,21 @@ def _agreement(ours, teacher) -> tuple[list[float], list[int]]:
     return same, prefix
 
 
+def judged(model, tokenizer, prompts: list, teacher_out: list[list[int]] | None, new_tokens: int) -> tuple[list, dict]:
+    """The teacher's greedy replies (this model's when `teacher_out` is None: the model is the teacher) and this
+    model's figures against them: greedy agreement, mean identical prefix, median first divergence, teacher-forced
+    top-1."""
+    generated = greedy(model, tokenizer, prompts, new_tokens)
+    teacher_out = generated if teacher_out is None else teacher_out
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    same, prefix = agreement(generated, teacher_out)
+    return teacher_out, {"agreement": same, "agreed_prefix": prefix,
+                         "median_first_divergence": median_prefix(generated, teacher_out),
+                         "forced_top1": forced_agreement(model, tokenizer, prompts, teacher_out, pad)}
+
+
+FOLLOWUP_KEYS = {"agreement": "followup_agreement", "agreed_prefix": "followup_prefix",
+                 "median_first_divergence": "followup_median_divergence", "forced_top1": "followup_top1"}
 TEACHER_FIGURES = ("layer_types", "cache_32k_bytes")  # --keep: the same for the teacher of both runs, exactly
 TEACHER_NLLS = ("nll_prose", "nll_code", "nll_chat", "nll_followup")  # ... and these within NLL_TOLERANCE (relative)
 # The same teacher, data and code on two CPUs (AMD EPYC with and without AVX-512) gave NLLs 4e-6 apart, relative (the
@@ -297,21 +312,12 @@ def main(argv=None) -> dict:
              "tokens_trained": trained_tokens(folder)}
         if chats:
             r["nll_chat"] = chat_nll(model, tokenizer, chats)
-        generated = greedy(model, tokenizer, prompts, args.new_tokens)
-        if teacher_out is None:
-            teacher_out = generated
-        r["agreement"], r["agreed_prefix"] = agreement(generated, teacher_out)
-        r["median_first_divergence"] = median_prefix(generated, teacher_out)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        r["forced_top1"] = forced_agreement(model, tokenizer, prompts, teacher_out, pad)
+        teacher_out, figures = judged(model, tokenizer, prompts, teacher_out, args.new_tokens)
+        r.update(figures)
         if conversations:
             r["nll_followup"] = chat_nll(model, tokenizer, followups)
-            generated = greedy(model, tokenizer, conversations, args.new_tokens)
-            if teacher_followup is None:
-                teacher_followup = generated
-            r["followup_agreement"], r["followup_prefix"] = agreement(generated, teacher_followup)
-            r["followup_median_divergence"] = median_prefix(generated, teacher_followup)
-            r["followup_top1"] = forced_agreement(model, tokenizer, conversations, teacher_followup, pad)
+            teacher_followup, figures = judged(model, tokenizer, conversations, teacher_followup, args.new_tokens)
+            r.update({FOLLOWUP_KEYS[k]: v for k, v in figures.items()})
         r["seconds"] = round(time.perf_counter() - t0, 1)
         r["measured"] = time.strftime("%Y-%m-%d")
         results[name] = r

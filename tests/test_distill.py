@@ -376,12 +376,18 @@ def test_report_measures_later_turns_of_conversations_apart(tmp_path):
         rows[1]["history"] + [{"role": "user", "content": "And the next one?"}],
         rows[3]["history"] + [{"role": "user", "content": "And the next one?"}]]
 
+    threads = str(torch.get_num_threads())  # main() sets the process's threads: leave them as the other tests have them
+
     def run(name, *extra):
         return report.main(["--data", str(data), "--model", f"teacher={folders['teacher']}", "--model",
                             f"student={folders['student']}", "--heldout-chats", str(chats), "--new-tokens", "6",
-                            "--seq-len", "64", "--json", str(tmp_path / name), *extra])
+                            "--seq-len", "64", "--json", str(tmp_path / name), "--threads", threads, *extra])
 
     single = run("single.json")
+    with open(chats, "a") as f:  # a later turn in --heldout-chats is left to --heldout-followups
+        f.write(json.dumps(rows[1]) + "\n")
+    assert {k: v for k, v in run("mixed.json")["student"].items() if k != "seconds"} == \
+        {k: v for k, v in single["student"].items() if k != "seconds"}
     both = run("both.json", "--heldout-followups", str(followups), "--transcripts", str(tmp_path / "t.md"),
                "--transcript-prompts", "1", "--transcript-tokens", "4")
     shown = (tmp_path / "t.md").read_text()
@@ -404,7 +410,8 @@ def test_report_measures_later_turns_of_conversations_apart(tmp_path):
 
     (tmp_path / "kept.json").write_text((tmp_path / "single.json").read_text())
     kept = report.main(["--data", str(data), "--model", f"teacher={folders['teacher']}", "--heldout-chats", str(chats),
-                        "--heldout-followups", str(followups), "--new-tokens", "6", "--seq-len", "64", "--json",
+                        "--heldout-followups", str(followups), "--new-tokens", "6", "--seq-len", "64", "--threads",
+                        threads, "--json",
                         str(tmp_path / "kept.json"), "--keep"])
     assert list(kept) == ["teacher", "student"] and "nll_followup" not in kept["student"]
     assert json.loads((tmp_path / "kept.json").read_text())["table"].splitlines()[-1].endswith(" - | - | - |")

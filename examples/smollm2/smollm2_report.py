@@ -266,7 +266,8 @@ def main(argv=None) -> dict:
                    help="a checkpoint; the first one is the teacher")
     p.add_argument("--prompts", type=Path, help="one chat prompt per line (# comments); default: the distinct "
                                                  "prompts of --heldout-chats")
-    p.add_argument("--heldout-chats", type=Path, help="teacher_corpus.py's chats-heldout.jsonl")
+    p.add_argument("--heldout-chats", type=Path, help="teacher_corpus.py's chats-heldout.jsonl (its single turns; "
+                                                       "later turns of conversations go to --heldout-followups)")
     p.add_argument("--heldout-followups", type=Path,
                    help="the chats-heldout.jsonl of a teacher_corpus.py corpus of conversations (--prompts "
                         "examples/smollm2/followup_prompts.txt): its later turns, measured apart")
@@ -291,7 +292,8 @@ def main(argv=None) -> dict:
     meta = json.loads((args.data / "meta.json").read_text())
     bos_id = meta["bos_token_id"]
     prose, code = load_tokens(args.data / "val_prose.bin"), load_tokens(args.data / "val_code.bin")
-    chats = read_chats(args.heldout_chats) if args.heldout_chats else []
+    # single turns only: the later turns of conversations are --heldout-followups' (the same file may be given to both)
+    chats = [c for c in read_chats(args.heldout_chats) if not c.get("history")] if args.heldout_chats else []
     prompts = read_prompts(args.prompts) if args.prompts else list(dict.fromkeys(c["user"] for c in chats))
     followups = [c for c in read_chats(args.heldout_followups) if c.get("history")] if args.heldout_followups else []
     conversations = followup_prompts(followups)

@@ -149,8 +149,8 @@ def prepare(out: Path, source: Path | None = None, pattern: str = "**/*.py", tok
             document_token: str | None = None, chats: Path | list[Path] | None = None,
             chat_repeat: int | list[int] = 1, texts: Path | None = None) -> dict:
     chat_files = [chats] if isinstance(chats, Path) else list(chats or [])
-    repeats = [chat_repeat] * max(1, len(chat_files)) if isinstance(chat_repeat, int) else list(chat_repeat)
-    if len(repeats) == 1:
+    repeats = [chat_repeat] if isinstance(chat_repeat, int) else list(chat_repeat)
+    if len(repeats) == 1:  # one count for every file
         repeats *= max(1, len(chat_files))
     if len(repeats) != max(1, len(chat_files)) or min(repeats) < 1:
         raise ValueError(f"--chat-repeat takes one count >= 1, or one per --chats file, got {chat_repeat}")

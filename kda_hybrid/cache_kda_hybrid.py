@@ -50,7 +50,7 @@ def _shape_fields(config) -> dict[str, object]:
     """The config values that fix the shapes of what the cache holds (compared by check_compatible)."""
     out = {}
     if "linear_attention" in config.layer_types:
-        for name in ("linear_num_heads", "linear_head_dim", "linear_conv_kernel_size"):
+        for name in ("linear_num_heads", "linear_kv_heads", "linear_head_dim", "linear_conv_kernel_size"):
             out[name] = getattr(config, name)
     if "full_attention" in config.layer_types:
         out["attention_type"] = config.attention_type

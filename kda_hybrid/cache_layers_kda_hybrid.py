@@ -28,9 +28,9 @@ class _Segment:
     """One recorded forward of a KDA layer: enough to recompute its states for any prefix of its tokens."""
 
     conv_before: list[torch.Tensor]  # q, k, v conv states before the forward, [B, C, kernel - 1] each
-    state_before: torch.Tensor  # [B, H, K, V] fp32
+    state_before: torch.Tensor  # [B, Hkv, K, V] fp32
     conv_inputs: list[torch.Tensor]  # compacted pre-conv inputs of the forward, [B, C, T] each
-    q: torch.Tensor  # compacted KDA inputs: q, k, g [B, T, H, K], v [B, T, H, V], beta [B, T, H]
+    q: torch.Tensor  # compacted KDA inputs: q [B, T, H, K], k, g [B, T, Hkv, K], v [B, T, Hkv, V], beta [B, T, Hkv]
     k: torch.Tensor
     v: torch.Tensor
     g: torch.Tensor
@@ -233,8 +233,10 @@ class KDALayerState(KDAHybridCacheLayer):
             keep = torch.arange(T, device=kept.device) < kept[:, None]  # compacted layout: real tokens first
             g = seg.g * keep[..., None, None]
             beta = seg.beta * keep[..., None]
+            # the state does not depend on the queries: k in their place (shared keys and values have fewer
+            # heads than the queries)
             _, state = fused_recurrent_kda(
-                seg.q, seg.k, seg.v, g, beta, initial_state=seg.state_before.clone(), output_final_state=True,
+                seg.k, seg.k, seg.v, g, beta, initial_state=seg.state_before.clone(), output_final_state=True,
                 use_qk_l2norm_in_kernel=True, inplace_final_state=True, backend="torch", check_inputs=False,
             )
             self.recurrent_state = state
@@ -245,8 +247,8 @@ class KDALayerState(KDAHybridCacheLayer):
     def early_initialization(self, batch_size, config, dtype, device):
         if self.is_initialized:
             return
-        conv, state = kda_state_shapes(config)
-        self.conv_states = [torch.zeros(batch_size, *conv, dtype=dtype, device=device) for _ in range(3)]
+        convs, state = kda_state_shapes(config)
+        self.conv_states = [torch.zeros(batch_size, *conv, dtype=dtype, device=device) for conv in convs]
         self.recurrent_state = torch.zeros(batch_size, *state, dtype=torch.float32, device=device)
 
     def reset(self):
@@ -359,11 +361,13 @@ class KVLayerState(KDAHybridCacheLayer):
         return 0 if self._keys is None else sum(t.numel() * t.element_size() for t in (self._keys, self._values))
 
 
-def kda_state_shapes(config) -> tuple[tuple[int, int], tuple[int, int, int]]:
-    """Per sequence, the shapes a KDA layer keeps: each of its 3 conv states (H*K, kernel - 1), in the activation
-    dtype, and the fp32 recurrent state (H, K, V), V = K in this architecture."""
-    H, K = config.linear_num_heads, config.linear_head_dim
-    return (H * K, config.linear_conv_kernel_size - 1), (H, K, K)
+def kda_state_shapes(config) -> tuple[list[tuple[int, int]], tuple[int, int, int]]:
+    """Per sequence, the shapes a KDA layer keeps: its 3 conv states (q: H*K, k and v: Hkv*K channels, each
+    kernel - 1 wide), in the activation dtype, and the fp32 recurrent state (Hkv, K, V), V = K in this
+    architecture (Hkv = H unless keys and values are shared by query heads: linear_num_kv_heads)."""
+    H, Hkv, K = config.linear_num_heads, config.linear_kv_heads, config.linear_head_dim
+    width = config.linear_conv_kernel_size - 1
+    return [(H * K, width), (Hkv * K, width), (Hkv * K, width)], (Hkv, K, K)
 
 
 def kv_shapes(config) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -391,16 +395,16 @@ def cache_bytes(config, dtype=None) -> dict:
     kv_per_token: the full-attention cache, which grows with every token. MLA caches the compressed latent and
     the shared key part, (kv_lora_rank + qk_rope_head_dim) values per token per layer; GQA caches keys and
     values, 2 * num_key_value_heads * head_dim.
-    kda_state: the fixed KDA state per sequence, per KDA layer an fp32 recurrent state [H, K, V] plus the q, k, v
-    short-conv states, 3 * (conv - 1) * H * K values in `dtype`.
+    kda_state: the fixed KDA state per sequence, per KDA layer an fp32 recurrent state [Hkv, K, V] plus the q, k, v
+    short-conv states, (conv - 1) * (H + 2 Hkv) * K values in `dtype` (Hkv = H unless keys and values are shared).
     """
     name = _dtype_name(dtype if dtype is not None else getattr(config, "dtype", None))
     width = _DTYPE_BYTES[name]
     n_attention = sum(t == "full_attention" for t in config.layer_types)
     n_kda = len(config.layer_types) - n_attention
     kv_values = sum(heads * dim for heads, dim in kv_shapes(config))  # the shapes the cache allocates
-    (conv_channels, conv_width), (H, K, V) = kda_state_shapes(config)
-    kda_layer = H * K * V * 4 + 3 * conv_channels * conv_width * width
+    convs, (H, K, V) = kda_state_shapes(config)
+    kda_layer = H * K * V * 4 + sum(channels * taps for channels, taps in convs) * width
     return {
         "dtype": name,
         "kv_per_token": n_attention * kv_values * width,

@@ -132,6 +132,7 @@ def _architecture_rows(config) -> list[tuple[str, str]]:
     if config.use_full_rank_gate:
         gates.append("full-rank output gate")
     kda_gates = f", {', '.join(gates)}" if gates else ""
+    shared = "" if config.linear_kv_heads == H else f" over {config.linear_kv_heads} shared key/value heads (states)"
     residual = ("sum" if config.attn_res_block_size is None
                 else f"Block Attention Residuals, blocks of {config.attn_res_block_size} layers")
     return [
@@ -139,7 +140,8 @@ def _architecture_rows(config) -> list[tuple[str, str]]:
         ("Layer pattern", f"{_layer_pattern(config.layer_types)} (K = KDA, A = full attention)"),
         ("Full-attention layers (1-based)", ", ".join(map(str, attention_layers)) or "none"),
         ("Hidden size", str(config.hidden_size)),
-        ("KDA heads", f"{H} heads, K = V = {K}, short conv {config.linear_conv_kernel_size}, fp32 state{kda_gates}"),
+        ("KDA heads", f"{H} heads{shared}, K = V = {K}, short conv {config.linear_conv_kernel_size}, fp32 "
+                      f"state{kda_gates}"),
         ("Full attention", attention),
         ("MLP", mlp),
         ("Residual stream", residual),

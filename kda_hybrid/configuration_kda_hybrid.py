@@ -89,7 +89,8 @@ class KDAHybridConfig(PretrainedConfig):
     # KDA: q/k/v, the gates' second halves (f_b, g_b), beta (b_proj) colwise by head; the depthwise convs and the
     # per-head A_log [1, 1, H, 1] / dt_bias [H * K] sharded on their head dim (a parameter entry shards only,
     # colwise shards dim ndim - 2, embedding_rowwise dim 0); `self_attn` runs with local parameters so A_log /
-    # dt_bias read as this process's heads; o_norm (shared by heads) replicated, its gradient summed.
+    # dt_bias read as this process's heads; o_norm (shared by heads) replicated, its gradient summed. Shared
+    # keys and values: linear_num_kv_heads must divide by the TP size (each process keeps its query heads' groups).
     # MLA: q (or q_b) and kv_b colwise by head, the latent projection replicated (mla_kv_a_proj sums the gradient
     # of its shared rope part). GQA: q/k/v colwise (num_key_value_heads must divide by the TP size). MLP and every
     # expert: gate/up (w1/w3) colwise, down (w2) rowwise; the router replicated.
@@ -133,6 +134,10 @@ class KDAHybridConfig(PretrainedConfig):
     # --- KDA layers ---
     linear_num_heads: int = field(8, positive_int)  # KDA heads H
     linear_head_dim: int = field(128, linear_head_dim)  # KDA head dim (K = V)
+    # KDA key/value heads (None: linear_num_heads). Fewer: keys, values, the decay gate and beta per key/value head,
+    # one recurrent state each, read by linear_num_heads / linear_num_kv_heads query heads (as GQA's repeat_kv
+    # pairs them: query head h reads key/value head h // groups); no Kimi Linear or llama.cpp form
+    linear_num_kv_heads: int | None = field(None, optional(positive_int))
     linear_conv_kernel_size: int = field(4, positive_int)  # causal depthwise short-conv width on q, k, v
     linear_attention_bias: bool = field(False, boolean)  # bias on the KDA q/k/v projections (Qwen2-style sources)
     # --- full-attention layers ---
@@ -252,6 +257,8 @@ class KDAHybridConfig(PretrainedConfig):
             fail("layer_types entries", f"'{LINEAR}' or '{FULL}'", bad[0])
 
     def validate_attention(self):
+        if self.linear_num_heads % self.linear_kv_heads:
+            fail("linear_num_heads", f"a multiple of linear_num_kv_heads={self.linear_kv_heads}", self.linear_num_heads)
         if self.attention_type == "gqa":
             positive_int("head_dim", self.head_dim)
             if self.num_attention_heads % self.num_key_value_heads:
@@ -316,6 +323,11 @@ class KDAHybridConfig(PretrainedConfig):
     @property
     def linear_attention_layers(self) -> list[int]:
         return [i for i, t in enumerate(self.layer_types) if t == LINEAR]
+
+    @property
+    def linear_kv_heads(self) -> int:
+        """The KDA layers' key/value heads: linear_num_kv_heads, or linear_num_heads when None."""
+        return self.linear_num_kv_heads or self.linear_num_heads
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         return self.num_experts is not None and layer_idx >= self.first_k_dense_replace

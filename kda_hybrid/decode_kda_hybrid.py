@@ -139,9 +139,10 @@ def compile_step(layer) -> None:
     x = w.new_zeros(1, 1, w.shape[0])
     attn = layer.self_attn
     if layer.layer_type == "linear_attention":
-        C, K = attn.q_proj.out_features, attn.head_dim
-        conv = [w.new_zeros(1, C, attn.conv_size - 1) for _ in range(3)]  # as a prefill leaves them
-        state = w.new_zeros(1, C // K, K, K, dtype=compute_dtype(w.dtype))
+        K = attn.head_dim
+        conv = [w.new_zeros(1, proj.out_features, attn.conv_size - 1)  # as a prefill leaves them
+                for proj in (attn.q_proj, attn.k_proj, attn.v_proj)]
+        state = w.new_zeros(1, attn.k_proj.out_features // K, K, K, dtype=compute_dtype(w.dtype))
         for _ in range(2):  # then as a decode step leaves them (views of one tensor)
             _, conv, state = compiled_kda_layer_step(strict=True)(layer, x, conv, state)
         return

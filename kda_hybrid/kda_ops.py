@@ -695,11 +695,23 @@ def recurrent_step(q, k, v, g, beta, state, *, scale=None, use_qk_l2norm_in_kern
     (o [B, HV, V] in v's dtype, the new state). With inplace=True the state is updated in place and returned,
     unless autograd records the call (then, as in fused_recurrent_kda, a new state is returned and `state` is
     left for backward). On CPU, a contiguous compute-dtype state without autograd takes the batched in-place
-    step of kda_torch (a dozen tensor ops); everything else runs fused_recurrent_kda's path for T = 1."""
+    step of kda_torch (a dozen tensor ops); everything else runs fused_recurrent_kda's path for T = 1.
+
+    Grouped queries (a KDA layer whose keys and values are shared): q [B, G * H, K] over k, v, g, beta and state
+    of H = HV heads, query head h reading state h // G; o [B, G * H, V]."""
     scale = k.shape[-1] ** -0.5 if scale is None else scale
     if inplace and _resolve(backend, q.device) == "torch" and state.is_contiguous() \
             and state.dtype == compute_dtype(v.dtype) and not records_autograd(q, k, v, g, beta, state):
         return recurrent_step_(q, k, v, g, beta, state, scale, use_qk_l2norm_in_kernel), state
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:  # each state's inputs repeated for its query heads; the repeated states stay equal
+        k, v, g, beta, heads = (x.repeat_interleave(groups, 1) for x in (k, v, g, beta, state))
+        o, heads = recurrent_step(q, k, v, g, beta, heads, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                  inplace=False, backend=backend)
+        heads = heads[:, ::groups]
+        if inplace and not records_autograd(q, k, v, g, beta, state):
+            return o, state.copy_(heads)
+        return o, heads.contiguous()
     o, state = _run("recurrent", q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], scale=scale,
                     initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                     cu_seqlens=None, cu_seqlens_cpu=None, backend=backend, options={}, inplace_final_state=inplace)

@@ -143,19 +143,21 @@ def recurrent_kda_reference(
 
 
 def _step_(q, k, v, g, beta, S):
-    """One token per sequence on prepared tensors (compute dtype, q scaled, q/k normalised as asked): q, k, g
+    """One token per sequence on prepared tensors (compute dtype, q scaled, q/k normalised as asked): k, g
     [B, H, K], v [B, H, V], beta [B, H]; S [B, H, K, V] contiguous in that dtype, updated in place (decay, then the
-    delta-rule write). Returns o [B, H, V]. Batched [B * H] products, a dozen tensor ops in all: a decode step on
-    CPU costs its op count, not its FLOPs. Callers hold no_grad (the write is in place): the model's decode step
-    runs only without gradient, and a context entered per token would cost as much as two of these ops."""
+    delta-rule write); q [B, G * H, K]: G query heads per state (query head h reads state h // G, as repeat_kv pairs
+    them; G = 1 but for a KDA layer with shared keys and values). Returns o [B, G * H, V]. Batched [B * H] products,
+    a dozen tensor ops in all: a decode step on CPU costs its op count, not its FLOPs. Callers hold no_grad (the
+    write is in place): the model's decode step runs only without gradient, and a context entered per token would
+    cost as much as two of these ops."""
     B, H, K = k.shape
-    V = v.shape[-1]
+    V, G = v.shape[-1], q.shape[1] // H
     S3 = S.view(B * H, K, V)
     S3.mul_(g.exp().view(B * H, K, 1))
     k = k.reshape(B * H, 1, K)
     delta = (v.reshape(B * H, 1, V) - torch.bmm(k, S3)).mul_(beta.reshape(B * H, 1, 1))  # [B * H, 1, V]
     S3.baddbmm_(k.transpose(1, 2), delta)  # S += k^T delta
-    return torch.bmm(q.reshape(B * H, 1, K), S3).view(B, H, V)
+    return torch.bmm(q.reshape(B * H, G, K), S3).view(B, G * H, V)
 
 
 @torch.no_grad()

@@ -346,6 +346,9 @@ def kimi_linear_dict(config) -> dict:
         raise ValueError("only MLA models have a Kimi-Linear equivalent; this config uses attention_type='gqa'")
     if config.attention_bias:
         raise ValueError("attention_bias=True has no Kimi-Linear equivalent (its projections have no bias)")
+    if config.linear_kv_heads != config.linear_num_heads:
+        raise ValueError(f"linear_num_kv_heads={config.linear_num_kv_heads} (KDA keys and values shared by query "
+                         "heads) has no Kimi-Linear equivalent (one key/value head per KDA head)")
     out = {"architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear"}
     lac = {"kda_layers": [i + 1 for i in config.linear_attention_layers],
            "full_attn_layers": [i + 1 for i in config.full_attention_layers]}

@@ -208,6 +208,23 @@ def _gather_tokens(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
     return x.gather(1, perm.view(*perm.shape, *([1] * (x.dim() - 2))).expand_as(x))
 
 
+def _grouped_chunk_kda(q, k, v, g, beta, state=None, *, output_final_state=False, cu_seqlens=None):
+    """The layer's chunked KDA: q [B, T, H, K] over k, g [B, T, Hkv, K], v [B, T, Hkv, V], beta [B, T, Hkv] and the
+    state [B, Hkv, K, V] (or None). With shared keys and values (Hkv < H), each key/value head's inputs and state
+    are repeated for its H / Hkv query heads (query head h reads key/value head h // (H / Hkv), as repeat_kv), and
+    the final state is each group's first copy (the copies are computed alike). g <= 0 by construction (either gate
+    form): the op's gate check (a device sync on GPU) is skipped."""
+    groups = q.shape[2] // k.shape[2]
+    if groups > 1:
+        k, v, g, beta = (x.repeat_interleave(groups, 2) for x in (k, v, g, beta))
+        state = None if state is None else state.repeat_interleave(groups, 1)
+    o, state = chunk_kda(q, k, v, g, beta, initial_state=state, output_final_state=output_final_state,
+                         use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, check_inputs=False)
+    if groups > 1 and state is not None:
+        state = state[:, ::groups].contiguous()
+    return o, state
+
+
 class KDAHybridDeltaAttention(nn.Module):
     """Kimi Delta Attention layer (docs/architecture.md §2)."""
 
@@ -219,21 +236,23 @@ class KDAHybridDeltaAttention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = H = config.linear_num_heads
+        # keys, values, decay and beta per key/value head: Hkv recurrent states, each read by H / Hkv query heads
+        self.num_kv_heads = Hkv = config.linear_kv_heads
         self.head_dim = K = config.linear_head_dim
         self.conv_size = config.linear_conv_kernel_size
         D = config.hidden_size
         bias = config.linear_attention_bias
         self.q_proj = nn.Linear(D, H * K, bias=bias)
-        self.k_proj = nn.Linear(D, H * K, bias=bias)
-        self.v_proj = nn.Linear(D, H * K, bias=bias)
+        self.k_proj = nn.Linear(D, Hkv * K, bias=bias)
+        self.v_proj = nn.Linear(D, Hkv * K, bias=bias)
         self.q_conv1d = nn.Conv1d(H * K, H * K, self.conv_size, groups=H * K, bias=False)
-        self.k_conv1d = nn.Conv1d(H * K, H * K, self.conv_size, groups=H * K, bias=False)
-        self.v_conv1d = nn.Conv1d(H * K, H * K, self.conv_size, groups=H * K, bias=False)
-        self.A_log = nn.Parameter(torch.zeros(1, 1, H, 1, dtype=torch.float32))
-        self.dt_bias = nn.Parameter(torch.zeros(H * K, dtype=torch.float32))
+        self.k_conv1d = nn.Conv1d(Hkv * K, Hkv * K, self.conv_size, groups=Hkv * K, bias=False)
+        self.v_conv1d = nn.Conv1d(Hkv * K, Hkv * K, self.conv_size, groups=Hkv * K, bias=False)
+        self.A_log = nn.Parameter(torch.zeros(1, 1, Hkv, 1, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.zeros(Hkv * K, dtype=torch.float32))
         self.f_a_proj = nn.Linear(D, K, bias=False)
-        self.f_b_proj = nn.Linear(K, H * K, bias=False)
-        self.b_proj = nn.Linear(D, H, bias=False)
+        self.f_b_proj = nn.Linear(K, Hkv * K, bias=False)
+        self.b_proj = nn.Linear(D, Hkv, bias=False)
         self.gate_lower_bound = config.gate_lower_bound  # K3: g = bound * sigmoid(exp(A_log) (z + dt_bias))
         self.full_rank_gate = config.use_full_rank_gate
         if self.full_rank_gate:  # K3: the output gate from one full-rank projection
@@ -350,7 +369,7 @@ class KDAHybridDeltaAttention(nn.Module):
 
         recording = cache_layer is not None and cache_layer.record_past
         if recording:
-            state_before = state.clone() if state is not None else q.new_zeros(B, q.shape[2], K, K, dtype=torch.float32)
+            state_before = state.clone() if state is not None else q.new_zeros(B, k.shape[2], K, K, dtype=torch.float32)
             cache_layer.record(
                 conv_before=[c.clone() for c in conv_before], state_before=state_before,
                 conv_inputs=[c.detach() for c in conv_inputs], q=q.detach(), k=k.detach(), v=v.detach(),
@@ -361,9 +380,8 @@ class KDAHybridDeltaAttention(nn.Module):
             o, state = recurrent_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state,
                                       use_qk_l2norm_in_kernel=True, inplace=not recording)
             o = o[:, None]
-        else:  # g <= 0 by construction (either gate form): skip the op's gate check (a device sync on GPU)
-            o, state = chunk_kda(q, k, v, g, beta, initial_state=state, output_final_state=cache_layer is not None,
-                                 use_qk_l2norm_in_kernel=True, check_inputs=False)
+        else:
+            o, state = _grouped_chunk_kda(q, k, v, g, beta, state, output_final_state=cache_layer is not None)
         if cache_layer is not None:  # every row ends on a real token unless padded: then up to its last real one
             cache_layer.update(conv_states_after(conv_before, conv_inputs, None if token_mask is None else n_real),
                                state)
@@ -400,15 +418,17 @@ class KDAHybridDeltaAttention(nn.Module):
         B, _, D = x.shape
         K = self.head_dim
         x2 = x.view(B, D)
-        qkv = torch.cat([linear(p, x2) for p in (self.q_proj, self.k_proj, self.v_proj)], -1)  # [B, 3C]
-        C = qkv.shape[-1] // 3  # H * K, or this process's heads under tensor parallelism
-        before = torch.cat(conv_before, 1).to(qkv.dtype)  # [B, 3C, kernel - 1]
-        window = torch.cat((before, qkv.unsqueeze(-1)), -1)  # [B, 3C, kernel]
-        conv_states = list(window[..., 1:].clone().split(C, 1))  # the last (kernel - 1) inputs
-        qkv = F.silu((window * taps).sum(-1)).view(B, 3, -1, K)  # [B, 3, H, K]
-        g, beta = self._gates(x, linear)  # [B, 1, H, K], [B, 1, H]
-        qk = l2norm(qkv[:, :2])  # q and k in one pass: what use_qk_l2norm_in_kernel does to each
-        o, state = recurrent_step(qk[:, 0], qk[:, 1], qkv[:, 2], g[:, 0], beta[:, 0], state)
+        qkv = torch.cat([linear(p, x2) for p in (self.q_proj, self.k_proj, self.v_proj)], -1)  # [B, C]
+        # q, k, v channels: H * K, Hkv * K, Hkv * K (this process's heads under tensor parallelism)
+        sizes = [c.shape[1] for c in conv_before]
+        before = torch.cat(conv_before, 1).to(qkv.dtype)  # [B, C, kernel - 1]
+        window = torch.cat((before, qkv.unsqueeze(-1)), -1)  # [B, C, kernel]
+        conv_states = list(window[..., 1:].clone().split(sizes, 1))  # the last (kernel - 1) inputs
+        qkv = F.silu((window * taps).sum(-1)).view(B, -1, K)  # [B, H + 2 Hkv, K]: q, k, v heads
+        g, beta = self._gates(x, linear)  # [B, 1, Hkv, K], [B, 1, Hkv]
+        H, Hkv = sizes[0] // K, sizes[2] // K
+        qk = l2norm(qkv[:, :H + Hkv])  # q and k in one pass: what use_qk_l2norm_in_kernel does to each
+        o, state = recurrent_step(qk[:, :H], qk[:, H:], qkv[:, H + Hkv:], g[:, 0], beta[:, 0], state)
         return self._output(x, o[:, None], linear), conv_states, state  # o [B, H, V] -> [B, 1, D]
 
     def _gates(self, x, linear=decode_linear):
@@ -432,7 +452,7 @@ class KDAHybridDeltaAttention(nn.Module):
             for proj, conv in ((self.q_proj, self.q_conv1d), (self.k_proj, self.k_conv1d), (self.v_proj, self.v_conv1d))
         )
         g, beta = self._gates(x)
-        o, _ = chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, check_inputs=False)
+        o, _ = _grouped_chunk_kda(q, k, v, g, beta, cu_seqlens=cu_seqlens)
         return self._output(x, o).view(B, T, D)
 
 

@@ -342,3 +342,25 @@ def test_the_shipped_smollm2_delta_rebuilds_on_the_installed_teacher(tmp_path):
     assert "".join("k" if t == "linear_attention" else "A" for t in json.loads(
         (out / "config.json").read_text())["layer_types"]) == manifest["layer_types"]
     assert delta_module.rebuilt_from(out, SHIPPED) and trained_tokens(out) == manifest["trained_tokens"]["tokens"]
+
+
+def test_a_student_with_shared_keys_and_values_rebuilds_from_its_delta(tmp_path):
+    """A student converted with --shared-kv (its KDA layers keep the teacher's key/value heads): the delta records
+    that, so the rebuild converts the teacher the same way and patches it; the student comes back bit for bit."""
+    teacher = write_tiny_gguf(tmp_path / "teacher.gguf")
+    start = convert(teacher, tmp_path / "start", layer_types="kkA", shared_kv=True, progress=False)
+    student = _load(start)
+    assert student.config.linear_num_kv_heads < student.config.linear_num_heads
+    with torch.no_grad():
+        student.model.layers[1].self_attn.k_proj.weight.add_(0.01)
+        student.model.layers[1].self_attn.A_log.add_(0.5)
+    student.save_pretrained(tmp_path / "student")
+    manifest = delta_module.build(teacher, tmp_path / "student", tmp_path / "delta", dtype=torch.float32,
+                                  install="(test)")
+    assert manifest["shared_kv"] is True
+    assert sorted(manifest["tensors"]) == ["model.layers.1.self_attn.A_log", "model.layers.1.self_attn.k_proj.weight"]
+    out = delta_module.rebuild(tmp_path / "delta", tmp_path / "rebuilt", teacher=teacher)
+    rebuilt, want = load_file(out / "model.safetensors"), load_file(tmp_path / "student" / "model.safetensors")
+    assert rebuilt.keys() == want.keys()
+    for name, t in want.items():
+        assert torch.equal(rebuilt[name], t), name

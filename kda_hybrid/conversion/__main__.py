@@ -74,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="for a Llama/Mistral/Qwen2/Qwen3 source: one letter per layer, k = KDA (initialised "
                              "from the layer's attention), A = keep the attention; a shorter pattern repeats "
                              "(e.g. kkkA)")
+    parser.add_argument("--shared-kv", action="store_true",
+                        help="with --layer-types: the KDA layers keep the source's key/value heads (one recurrent "
+                             "state per key/value head, read by its query heads: fewer weights, a smaller state) "
+                             "instead of one per query head")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
@@ -101,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         out = convert(args.src, args.dst, source=args.source, target=args.target, dtype=args.dtype,
                       max_shard_size=args.max_shard_size, overwrite=args.overwrite,
                       router_weights_from_biased_scores=args.biased, layer_types=args.layer_types,
+                      shared_kv=args.shared_kv,
                       progress=not args.no_progress)
     except ConversionError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -176,7 +176,7 @@ def _check_arguments(source, target, overwrite, progress, router_weights_from_bi
 def convert(src, dst, *, source: str | None = None, target: str = KDA_HYBRID, dtype=None,
             max_shard_size: int | str = "5GB", overwrite: bool = False,
             router_weights_from_biased_scores: bool | None = None, layer_types: str | None = None,
-            kda_init: KDAInit | None = None, progress: bool = True, patch=None) -> Path:
+            kda_init: KDAInit | None = None, shared_kv: bool = False, progress: bool = True, patch=None) -> Path:
     """Convert the checkpoint `src` into a new folder `dst`.
 
     source: "kimi_linear" (Moonshot's Hub layout), "transformers" (transformers' native kimi_linear, fused or
@@ -191,7 +191,8 @@ def convert(src, dst, *, source: str | None = None, target: str = KDA_HYBRID, dt
         Qwen2 / Qwen3 family (gguf.py: read through transformers' GGUF loader, tokenizer and chat template kept).
     layer_types: for a Llama / Mistral / Qwen2 / Qwen3 source (detected from config.json), one letter per layer
         ('k' = KDA, 'A' = keep the attention) or a pattern repeated to the depth, e.g. "kkkA"
-        (see `from_attention`); kda_init tunes the new KDA layers' starting values. patch (attention sources
+        (see `from_attention`); kda_init tunes the new KDA layers' starting values; shared_kv keeps the source's
+        key/value heads in the KDA layers (one recurrent state per key/value head). patch (attention sources
         only; delta.py's rebuild): `patch.check_names(shapes)` before anything is read, `patch.apply(name,
         tensor) -> tensor` on every output tensor, `patch.finish(folder)` before the output is published (raise there
         and nothing is written).
@@ -207,8 +208,10 @@ def convert(src, dst, *, source: str | None = None, target: str = KDA_HYBRID, dt
     cast, max_bytes = _resolve_dtype(dtype), parse_size(max_shard_size)
     gguf, dst_real = _check_destination(src, dst, target, overwrite)
 
+    if not isinstance(shared_kv, bool):
+        raise ConversionError(f"shared_kv: expected True or False, got {shared_kv!r}")
     attention = dict(layer_types=layer_types, target=target, cast=cast, max_bytes=max_bytes, overwrite=overwrite,
-                     kda_init=kda_init or KDAInit(), progress=progress, patch=patch)
+                     kda_init=kda_init or KDAInit(), shared_kv=shared_kv, progress=progress, patch=patch)
     if gguf is not None:
         if source is not None:
             raise ConversionError(f"source: a GGUF file is read as what its metadata says, got source={source!r}")
@@ -217,7 +220,7 @@ def convert(src, dst, *, source: str | None = None, target: str = KDA_HYBRID, dt
     raw, reader = read_config(src), FolderSource(src)
     if is_attention_source(raw):
         return _convert_attention(src, dst, dst_real, raw, lambda: (reader, None), **attention)
-    _refuse_attention_options(src, raw, patch=patch, layer_types=layer_types)
+    _refuse_attention_options(src, raw, patch=patch, layer_types=layer_types, shared_kv=shared_kv)
     fmt = FORMATS[source or detect_format(raw, reader.headers)]
     parsed = fmt.parse(raw)
     biased = fmt.biased_router(raw) if router_weights_from_biased_scores is None else router_weights_from_biased_scores
@@ -252,7 +255,10 @@ def _check_destination(src: Path, dst: Path, target: str, overwrite: bool) -> tu
     return gguf, dst_real
 
 
-def _refuse_attention_options(src: Path, raw: dict, *, patch, layer_types) -> None:
+def _refuse_attention_options(src: Path, raw: dict, *, patch, layer_types, shared_kv) -> None:
+    if shared_kv:
+        raise ConversionError(f"shared_kv (--shared-kv) applies to {'/'.join(ATTENTION_SOURCES)} sources; {src} is "
+                              f"a {raw.get('model_type')!r} checkpoint, whose KDA heads are fixed")
     if patch is not None:
         raise ConversionError("patch applies to Llama-family sources (a delta over a converted teacher)")
     if layer_types is not None:
@@ -374,7 +380,7 @@ def _convert_to_gguf(src: Path, dst: Path, dst_real: Path, config, arch: str, pl
 
 
 def _convert_attention(src: Path, dst: Path, dst_real: Path, raw: dict, open_source, *, layer_types, target, cast,
-                       max_bytes, overwrite, kda_init, progress, patch) -> Path:
+                       max_bytes, overwrite, kda_init, shared_kv, progress, patch) -> Path:
     """A Llama / Mistral / Qwen2 / Qwen3 folder or GGUF file -> a KDA hybrid (from_attention.py), staged and
     published as every conversion is. open_source() -> (Source, tokenizer to save or None: the folder's files are
     carried instead), called once the config and the layer types are known to convert."""
@@ -386,7 +392,7 @@ def _convert_attention(src: Path, dst: Path, dst_real: Path, raw: dict, open_sou
         raise ConversionError(f"{src} is a {raw['model_type']} checkpoint: pass layer_types (--layer-types), one "
                               "letter per layer, 'k' = KDA and 'A' = attention, e.g. kkkA")
     try:
-        config = hybrid_config(raw, layer_types)
+        config = hybrid_config(raw, layer_types, shared_kv=shared_kv)
     except (AttentionConversionError, ValueError) as err:
         raise ConversionError(str(err)) from None
     reader, tokenizer = open_source()
@@ -416,7 +422,8 @@ def _convert_attention(src: Path, dst: Path, dst_real: Path, raw: dict, open_sou
 
     tensor_bytes = sum(_numel(shape) * 4 for shape in shapes.values()) + 512 * len(shapes) + 2**20  # fp32 bound
     manifest = {"source": src.name, "source_format": raw["model_type"], "target": KDA_HYBRID,
-                "dtype": config.dtype, "layer_types": pattern}
+                "dtype": config.dtype, "layer_types": pattern,
+                **({"shared_kv": True} if config.linear_num_kv_heads is not None else {})}
     carried = _files_to_carry(src, same_format=False) if src.is_dir() else []
     _stage_and_publish(dst, dst_real, fill, carried, code, tensor_bytes + (2**24 if tokenizer else 0), manifest,
                        overwrite=overwrite)

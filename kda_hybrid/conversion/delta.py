@@ -103,7 +103,8 @@ def _read_folder(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def _layer_pattern(folder: Path) -> str:
+def _student_layout(folder: Path) -> tuple[str, bool]:
+    """(the student's layer pattern, whether its KDA layers share keys and values): what its conversion was."""
     if (folder / "adapter_config.json").is_file() and not (folder / "config.json").is_file():
         raise ConversionError(f"{folder}: a PEFT adapter folder, not a checkpoint: merge the adapters into the model "
                               "and save that (model.merge_and_unload().save_pretrained(...)), then build from it "
@@ -115,7 +116,8 @@ def _layer_pattern(folder: Path) -> str:
     if config.get("model_type") != "kda_hybrid" or "layer_types" not in config:
         raise ConversionError(f"{folder}: not a kda_hybrid checkpoint (config.json model_type "
                               f"{config.get('model_type')!r})")
-    return "".join("k" if t == "linear_attention" else "A" for t in config["layer_types"])
+    pattern = "".join("k" if t == "linear_attention" else "A" for t in config["layer_types"])
+    return pattern, config.get("linear_num_kv_heads") is not None
 
 
 def low_rank_factors(base: torch.Tensor, new: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -157,15 +159,15 @@ def build(teacher, student, out, *, dtype: torch.dtype = torch.bfloat16, max_byt
     if isinstance(low_rank, bool) or not isinstance(low_rank, int) or low_rank < 0:
         raise ConversionError(f"low_rank must be a whole number >= 0 (0: no factors), got {low_rank!r}")
     _check_delta_destination(out, overwrite)
-    pattern = _layer_pattern(student)
+    pattern, shared_kv = _student_layout(student)
     theirs = _read_folder(student)
     with tempfile.TemporaryDirectory(dir=out.parent if out.parent.exists() else None) as tmp:
         base_folder = Path(tmp) / "base"
-        convert(teacher, base_folder, layer_types=pattern, progress=False)
+        convert(teacher, base_folder, layer_types=pattern, shared_kv=shared_kv, progress=False)
         base = _read_folder(base_folder)
     if set(base) != set(theirs):
         raise ConversionError(f"{student} does not have the tensors of {teacher} converted with --layer-types "
-                              f"{pattern}: {sorted(set(base) ^ set(theirs))[:10]}")
+                              f"{pattern}{' --shared-kv' if shared_kv else ''}: {sorted(set(base) ^ set(theirs))[:10]}")
     bad = [n for n in base if base[n].shape != theirs[n].shape or base[n].dtype != theirs[n].dtype]
     if bad:
         raise ConversionError(f"{student}: tensors whose shape or dtype differ from the conversion's: {bad[:10]}")
@@ -193,6 +195,7 @@ def build(teacher, student, out, *, dtype: torch.dtype = torch.bfloat16, max_byt
                     "sha256": file_sha256(teacher) if teacher.is_file() else None, "install": install,
                     "package_path": package_path},
         "layer_types": pattern,
+        **({"shared_kv": True} if shared_kv else {}),
         "dtype": str(dtype).removeprefix("torch."),
         "tensors": {n: list(t.shape) for n, t in stored.items()},
         **({"low_rank": {n: low_rank for n in factored}} if factored else {}),
@@ -333,8 +336,8 @@ def rebuild(delta, dst, *, teacher=None, overwrite: bool = False, progress: bool
     tensors = load_file(Path(delta) / DELTA_TENSORS)
     if {n: list(t.shape) for n, t in tensors.items()} != manifest["tensors"]:
         raise ConversionError(f"{delta}: {DELTA_TENSORS} does not hold the tensors {DELTA_MANIFEST} lists")
-    return convert(path, dst, layer_types=manifest["layer_types"], overwrite=overwrite, progress=progress,
-                   patch=_DeltaPatch(tensors, manifest))
+    return convert(path, dst, layer_types=manifest["layer_types"], shared_kv=manifest.get("shared_kv", False),
+                   overwrite=overwrite, progress=progress, patch=_DeltaPatch(tensors, manifest))
 
 
 def rebuilt_from(folder, delta) -> bool:

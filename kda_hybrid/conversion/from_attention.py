@@ -82,9 +82,11 @@ def _rope_parameters(cfg: dict) -> dict:
     return rope
 
 
-def hybrid_config(cfg: dict, layer_types: str | list[str]):
+def hybrid_config(cfg: dict, layer_types: str | list[str], shared_kv: bool = False):
     """The KDAHybridConfig of the converted model. Refuses, before anything is read or written, what the GQA
-    layer could not reproduce exactly."""
+    layer could not reproduce exactly. shared_kv: the KDA layers keep the source's key/value heads
+    (linear_num_kv_heads, one recurrent state per key/value head read by its query heads) instead of one per
+    query head."""
     from ..configuration_kda_hybrid import KDAHybridConfig
 
     family = cfg.get("model_type")
@@ -115,6 +117,7 @@ def hybrid_config(cfg: dict, layer_types: str | list[str]):
         vocab_size=_required(cfg, "vocab_size"), hidden_size=hidden,
         intermediate_size=_required(cfg, "intermediate_size"), num_hidden_layers=n_layers, layer_types=types,
         linear_num_heads=heads, linear_head_dim=head_dim, linear_conv_kernel_size=CONV_KERNEL,
+        linear_num_kv_heads=kv_heads if shared_kv and kv_heads != heads else None,
         linear_attention_bias=qkv_bias,
         attention_type="gqa", num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
         rope_parameters=_rope_parameters(cfg), attention_bias=qkv_bias, attention_out_bias=o_bias,
@@ -154,19 +157,24 @@ class KDAInit:
 
 
 def kda_init_tensors(config, prefix: str, dtype: torch.dtype, init: KDAInit, layer_idx: int) -> dict:
-    H, K, D = config.linear_num_heads, config.linear_head_dim, config.hidden_size
+    H, Hkv, K, D = config.linear_num_heads, config.linear_kv_heads, config.linear_head_dim, config.hidden_size
     gen = torch.Generator().manual_seed(init.seed * 100_003 + layer_idx)
     std = config.initializer_range
-    conv = torch.zeros(H * K, 1, config.linear_conv_kernel_size)
-    conv[..., -1] = 1.0  # tap j reads x[t - (kernel - 1 - j)]: the last tap is the current token
-    dt = torch.exp(torch.linspace(math.log(init.dt_min), math.log(init.dt_max), K)).repeat(H)  # [H*K]
+
+    def identity_conv(heads):  # tap j reads x[t - (kernel - 1 - j)]: the last tap is the current token
+        conv = torch.zeros(heads * K, 1, config.linear_conv_kernel_size)
+        conv[..., -1] = 1.0
+        return conv
+
+    dt = torch.exp(torch.linspace(math.log(init.dt_min), math.log(init.dt_max), K)).repeat(Hkv)  # [Hkv*K]
     out = {
-        "q_conv1d.weight": conv, "k_conv1d.weight": conv.clone(), "v_conv1d.weight": conv.clone(),
-        "A_log": torch.zeros(1, 1, H, 1, dtype=torch.float32),
+        "q_conv1d.weight": identity_conv(H), "k_conv1d.weight": identity_conv(Hkv),
+        "v_conv1d.weight": identity_conv(Hkv),
+        "A_log": torch.zeros(1, 1, Hkv, 1, dtype=torch.float32),
         "dt_bias": inverse_softplus(dt).float(),  # softplus(dt_bias) = dt
         "f_a_proj.weight": torch.randn(K, D, generator=gen) * std,
-        "f_b_proj.weight": torch.zeros(H * K, K),
-        "b_proj.weight": torch.zeros(H, D),
+        "f_b_proj.weight": torch.zeros(Hkv * K, K),
+        "b_proj.weight": torch.zeros(Hkv, D),
         "g_a_proj.weight": torch.randn(K, D, generator=gen) * std,
         "g_b_proj.weight": torch.zeros(H * K, K),
         "o_norm.weight": torch.full((K,), 2.0),
@@ -225,7 +233,7 @@ def make_steps(config, source_names) -> tuple[list[Step], list[str]]:
                 if leaf in ("q_norm", "k_norm"):
                     dropped.append(name)
                     continue
-                repeat = leaf in ("k_proj", "v_proj") and config.num_key_value_heads != config.num_attention_heads
+                repeat = leaf in ("k_proj", "v_proj") and config.num_key_value_heads != config.linear_kv_heads
                 steps.append(Step(name, name, "repeat_heads" if repeat else "copy"))
                 continue
         steps.append(Step(name, name))
@@ -255,6 +263,38 @@ def repeat_heads(x: torch.Tensor, config) -> torch.Tensor:
     groups = config.num_attention_heads // config.num_key_value_heads
     hd = config.head_dim
     return x.unflatten(0, (-1, hd)).repeat_interleave(groups, dim=0).flatten(0, 1).contiguous()
+
+
+# a KDA layer's tensors with one row block per key/value head (their other rows, if any: none)
+KV_HEAD_TENSORS = ("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias", "k_conv1d.weight",
+                   "v_conv1d.weight", "dt_bias", "f_b_proj.weight")
+
+
+def expand_shared_kv(state_dict: dict, config):
+    """A model whose KDA keys and values are shared (`linear_num_kv_heads` < `linear_num_heads`) as the same
+    function with one key/value head per query head: (state dict, config) with every key/value head's rows (k, v
+    projections and convs, the decay gate's dt_bias, f_b_proj rows and A_log entry, beta's b_proj row) repeated for
+    the query heads that read it, in repeat_kv's order. Its recurrent states are the shared ones, repeated; its
+    outputs the same up to the order of sums. What Kimi Linear's layout and llama.cpp can hold. Tensors of other
+    layers are passed through (not copied)."""
+    groups = config.linear_num_heads // config.linear_kv_heads
+    expanded = config.__class__(**{**config.to_dict(), "linear_num_kv_heads": None})
+    if groups == 1:
+        return dict(state_dict), expanded
+    K = config.linear_head_dim
+    out = {}
+    for name, t in state_dict.items():
+        parts = name.split(".")
+        leaf = ".".join(parts[-2:]) if len(parts) > 1 else name
+        is_kda = parts[:2] == ["model", "layers"] and config.layer_types[int(parts[2])] == "linear_attention"
+        if is_kda and (leaf in KV_HEAD_TENSORS or parts[-1] == "dt_bias"):
+            t = t.unflatten(0, (-1, K)).repeat_interleave(groups, 0).flatten(0, 1)
+        elif is_kda and (leaf == "b_proj.weight"):
+            t = t.repeat_interleave(groups, 0)
+        elif is_kda and parts[-1] == "A_log":
+            t = t.repeat_interleave(groups, 2)
+        out[name] = t
+    return out, expanded
 
 
 def stream(config, cfg: dict, source: FolderSource, sink, *, init: KDAInit, progress: bool = False) -> None:

@@ -90,6 +90,10 @@ def kimi_inventory(cfg) -> dict[str, Spec]:
         raise ConversionError("config.json: attention_type='gqa' has no Kimi Linear equivalent")
     if config.attention_bias:
         raise ConversionError("config.json: attention_bias=True has no Kimi Linear equivalent")
+    if config.linear_kv_heads != config.linear_num_heads:
+        raise ConversionError(f"config.json: linear_num_kv_heads={config.linear_num_kv_heads} (KDA keys and values "
+                              "shared by query heads) has no Kimi Linear equivalent; expand the model first "
+                              "(kda_hybrid.conversion.from_attention.expand_shared_kv)")
     D, vocab = config.hidden_size, config.vocab_size
     inv: dict[str, Spec] = {"model.embed_tokens.weight": Spec((vocab, D))}
     for i, (attn_kind, mlp_kind) in enumerate(zip(*layer_kinds(config))):

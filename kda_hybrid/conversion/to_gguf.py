@@ -63,6 +63,9 @@ def check_expressible(config) -> str:
     elif config.linear_num_heads != config.num_attention_heads:
         problems.append(f"KDA heads ({config.linear_num_heads}) differ from MLA heads ({config.num_attention_heads}): "
                         "llama.cpp sizes both from one head count")
+    if config.linear_kv_heads != config.linear_num_heads:
+        problems.append(f"linear_num_kv_heads={config.linear_num_kv_heads}: llama.cpp's KDA layers have one key/value "
+                        "head per head (expand the model first: from_attention.expand_shared_kv)")
     if config.attention_bias or getattr(config, "linear_attention_bias", False):
         problems.append("projection biases: llama.cpp's graph has none")
     if k3:  # llama.cpp's kimi-k3 graph: SiTU everywhere and the full-rank KDA gate are not optional there

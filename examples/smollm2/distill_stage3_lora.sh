@@ -11,10 +11,11 @@
 # On a machine without stage 2's run (out/ is not in git), the start is the shipped student rebuilt from its delta
 # (deltas/smollm2-hybrid: stage 2's final model with its KDA matrices in bf16, and its training tokens), and the
 # corpus, the reference and the data are made first (teacher_corpus_data.sh, about 2.5 hours on 2 cores).
-# Each arm resumes after a kill (run the script again; finished arms are skipped). Then the report of both arms'
-# milestones and finals and of the shipped student again (--keep: every row measured before stays), the curve, and
-# arm A's delta built under $OUT
-# (not deltas/: shipping the winner is a separate, deliberate step) to show its size.
+# Each arm resumes after a kill (run the script again; finished arms are skipped). Then arm A's delta built under $OUT
+# (not deltas/: shipping the winner is a separate, deliberate step) to show its size, and one report of the teacher,
+# the shipped student and both arms' milestones and finals into its own file (stage3_metrics.json): a corpus rebuilt
+# on another CPU holds other samples of the same prompts (sampled tokens follow logits whose last bits vary by CPU),
+# so its held-out replies are not those of teacher_corpus_metrics.json and the two reports are not mixed.
 #
 #     bash examples/smollm2/distill_stage3_lora.sh
 #     STEPS=500 RANK=16 bash examples/smollm2/distill_stage3_lora.sh
@@ -62,7 +63,7 @@ python -m kda_hybrid.conversion.delta build "$TEACHER" "$OUT/stage3-lora/final" 
 python -c "import json, sys; m = json.load(open(sys.argv[1])); print(f\"arm A's delta: {m['delta_bytes'] / 2**20:.1f} MiB, \
 {len(m.get('low_rank', {}))} matrices as rank-$RANK factors\")" "$OUT/stage3-lora-delta/delta.json"
 
-# the shipped student under its name in the stored report, measured again for the later turns
+# the shipped student measured again beside the arms, on this corpus
 python -m kda_hybrid.conversion.delta rebuild deltas/smollm2-hybrid out/smollm2-hybrid --if-stale
 MODELS=(--model teacher="$OUT/all-A" --model "stage 2, step 1000, shipped (deltas/smollm2-hybrid)"=out/smollm2-hybrid)
 for M in $MILESTONES; do
@@ -72,7 +73,5 @@ done
 MODELS+=(--model "stage 3 LoRA r$RANK, step $STEPS"="$OUT/stage3-lora/final")
 MODELS+=(--model "stage 3 no LoRA, step $STEPS"="$OUT/stage3-plain/final")
 python examples/smollm2/smollm2_report.py --data "$DATA" "${MODELS[@]}" --heldout-chats "$CORPUS/chats-heldout.jsonl" \
-    --heldout-followups "$FOLLOWUPS/chats-heldout.jsonl" --json docs/records/smollm2/teacher_corpus_metrics.json --keep \
+    --heldout-followups "$FOLLOWUPS/chats-heldout.jsonl" --json docs/records/smollm2/stage3_metrics.json \
     --threads "$THREADS"
-python examples/smollm2/plot_curve.py docs/records/smollm2/teacher_corpus_metrics.json \
-    --out docs/records/smollm2/quality_vs_tokens.png

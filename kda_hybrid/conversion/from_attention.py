@@ -265,34 +265,30 @@ def repeat_heads(x: torch.Tensor, config) -> torch.Tensor:
     return x.unflatten(0, (-1, hd)).repeat_interleave(groups, dim=0).flatten(0, 1).contiguous()
 
 
-# a KDA layer's tensors with one row block per key/value head (their other rows, if any: none)
-KV_HEAD_TENSORS = ("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias", "k_conv1d.weight",
-                   "v_conv1d.weight", "dt_bias", "f_b_proj.weight")
+# A KDA layer's tensors (names inside its self_attn) with one entry per key/value head along `dim`, each `rows` long
+KV_HEAD_TENSORS = {**{name: (0, "head_dim") for name in ("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias",
+                                                         "k_conv1d.weight", "v_conv1d.weight", "dt_bias",
+                                                         "f_b_proj.weight")},
+                   "b_proj.weight": (0, 1), "A_log": (2, 1)}
 
 
 def expand_shared_kv(state_dict: dict, config):
     """A model whose KDA keys and values are shared (`linear_num_kv_heads` < `linear_num_heads`) as the same
-    function with one key/value head per query head: (state dict, config) with every key/value head's rows (k, v
+    function with one key/value head per query head: (state dict, config) with every key/value head's entries (k, v
     projections and convs, the decay gate's dt_bias, f_b_proj rows and A_log entry, beta's b_proj row) repeated for
     the query heads that read it, in repeat_kv's order. Its recurrent states are the shared ones, repeated; its
-    outputs the same up to the order of sums. What Kimi Linear's layout and llama.cpp can hold. Tensors of other
-    layers are passed through (not copied)."""
+    outputs the same up to the order of sums. What Kimi Linear's layout and llama.cpp can hold. Other tensors are
+    passed through (not copied)."""
     groups = config.linear_num_heads // config.linear_kv_heads
     expanded = config.__class__(**{**config.to_dict(), "linear_num_kv_heads": None})
-    if groups == 1:
-        return dict(state_dict), expanded
-    K = config.linear_head_dim
+    kda = {f"model.layers.{i}.self_attn." for i in config.linear_attention_layers}
     out = {}
     for name, t in state_dict.items():
-        parts = name.split(".")
-        leaf = ".".join(parts[-2:]) if len(parts) > 1 else name
-        is_kda = parts[:2] == ["model", "layers"] and config.layer_types[int(parts[2])] == "linear_attention"
-        if is_kda and (leaf in KV_HEAD_TENSORS or parts[-1] == "dt_bias"):
-            t = t.unflatten(0, (-1, K)).repeat_interleave(groups, 0).flatten(0, 1)
-        elif is_kda and (leaf == "b_proj.weight"):
-            t = t.repeat_interleave(groups, 0)
-        elif is_kda and parts[-1] == "A_log":
-            t = t.repeat_interleave(groups, 2)
+        prefix, _, leaf = name.partition("self_attn.")
+        if groups > 1 and prefix + "self_attn." in kda and leaf in KV_HEAD_TENSORS:
+            dim, rows = KV_HEAD_TENSORS[leaf]
+            rows = config.linear_head_dim if rows == "head_dim" else rows
+            t = t.unflatten(dim, (-1, rows)).repeat_interleave(groups, dim).flatten(dim, dim + 1)
         out[name] = t
     return out, expanded
 

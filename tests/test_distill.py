@@ -49,6 +49,7 @@ def setup(tmp_path_factory):
         num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=0))
     teacher.save_pretrained(root / "teacher")
     convert(root / "teacher", root / "student", layer_types="kA", progress=False)
+    convert(root / "teacher", root / "student-shared", layer_types="kA", shared_kv=True, progress=False)
     return root, data
 
 
@@ -64,10 +65,11 @@ def log(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
 
 
-def test_stage_1_trains_only_the_kda_layers_and_lowers_the_attention_error(setup, tmp_path):
+@pytest.mark.parametrize("student", ["student", "student-shared"])  # KDA keys and values per query head, or shared
+def test_stage_1_trains_only_the_kda_layers_and_lowers_the_attention_error(setup, tmp_path, student):
     root, _ = setup
-    run_example("distill.py", *distill_args(setup, 1, root / "student", tmp_path, "--steps", "6"))
-    before = load_file(root / "student" / "model.safetensors")
+    run_example("distill.py", *distill_args(setup, 1, root / student, tmp_path, "--steps", "6"))
+    before = load_file(root / student / "model.safetensors")
     after = load_file(tmp_path / "final" / "model.safetensors")
     kda = ("model.layers.0.self_attn.", "model.layers.2.self_attn.")  # kAkA: layers 0 and 2 are KDA
     changed = {n for n in before if not torch.equal(before[n], after[n])}

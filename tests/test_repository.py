@@ -36,10 +36,11 @@ def test_every_relative_markdown_link_resolves():
 
 
 # what a run writes, named before it has run
-# written by a script when it runs, not before: benchmarks/gpu_check.sh on a GPU machine, the second SmolLM2 recipe
+# written by a script when it runs, not before: benchmarks/gpu_check.sh on a GPU machine, the second SmolLM2 recipe,
+# its stage-3 A/B
 OUTPUTS = {"benchmarks/results_gpu.md", "docs/records/smollm2/layer_ranking.json",
            "docs/records/smollm2/teacher_corpus_metrics.json", "docs/records/smollm2/teacher_corpus_transcripts.md",
-           "docs/records/smollm2/quality_vs_tokens.png"}
+           "docs/records/smollm2/quality_vs_tokens.png", "docs/records/smollm2/stage3_metrics.json"}
 
 
 def test_every_repository_path_the_docs_and_scripts_name_exists():

@@ -216,6 +216,9 @@ def test_conversion_keeps_the_sources_key_value_heads(tmp_path):
     # the command line, and a source whose heads are fixed
     assert cli([str(folder), str(tmp_path / "cli"), "--layer-types", "kkkA", "--shared-kv", "--no-progress"]) == 0
     assert json.loads((tmp_path / "cli" / "config.json").read_text())["linear_num_kv_heads"] == 2
+    with pytest.raises(ConversionError, match="shared_kv: expected True or False"):
+        convert(folder, tmp_path / "bad", layer_types="kkkA", shared_kv=1, progress=False)
+    assert not (tmp_path / "bad").exists()
     with pytest.raises(ConversionError, match="shared_kv.*applies to"):
         convert(shared, tmp_path / "again", shared_kv=True, progress=False)
     assert not (tmp_path / "again").exists()

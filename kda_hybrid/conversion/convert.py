@@ -160,12 +160,12 @@ def convert_state_dict(tensors: Mapping[str, torch.Tensor] | list[Mapping[str, t
     return sink.close()
 
 
-def _check_arguments(source, target, overwrite, progress, router_weights_from_biased_scores) -> None:
+def _check_arguments(source, target, overwrite, progress, router_weights_from_biased_scores, shared_kv) -> None:
     if target not in TARGET_FORMATS:
         raise ConversionError(f"target: expected one of {TARGET_FORMATS}, got {target!r}")
     if source is not None and source not in SOURCE_FORMATS:
         raise ConversionError(f"source: expected one of {SOURCE_FORMATS}, got {source!r}")
-    for name, flag in (("overwrite", overwrite), ("progress", progress)):
+    for name, flag in (("overwrite", overwrite), ("progress", progress), ("shared_kv", shared_kv)):
         if not isinstance(flag, bool):
             raise ConversionError(f"{name}: expected True or False, got {flag!r}")
     if router_weights_from_biased_scores is not None and not isinstance(router_weights_from_biased_scores, bool):
@@ -204,12 +204,10 @@ def convert(src, dst, *, source: str | None = None, target: str = KDA_HYBRID, dt
     the source, a folder inside it or a folder containing it.
     """
     src, dst = Path(src), Path(dst)
-    _check_arguments(source, target, overwrite, progress, router_weights_from_biased_scores)
+    _check_arguments(source, target, overwrite, progress, router_weights_from_biased_scores, shared_kv)
     cast, max_bytes = _resolve_dtype(dtype), parse_size(max_shard_size)
     gguf, dst_real = _check_destination(src, dst, target, overwrite)
 
-    if not isinstance(shared_kv, bool):
-        raise ConversionError(f"shared_kv: expected True or False, got {shared_kv!r}")
     attention = dict(layer_types=layer_types, target=target, cast=cast, max_bytes=max_bytes, overwrite=overwrite,
                      kda_init=kda_init or KDAInit(), shared_kv=shared_kv, progress=progress, patch=patch)
     if gguf is not None:

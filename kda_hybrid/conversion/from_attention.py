@@ -257,12 +257,15 @@ def check_source(config, cfg: dict, headers: dict[str, Header]) -> None:
                                        + "\n  ".join(problems))
 
 
+def repeat_blocks(x: torch.Tensor, groups: int, rows: int, dim: int = 0) -> torch.Tensor:
+    """x with each block of `rows` entries along `dim` (one key/value head's) repeated `groups` times in place:
+    query head h reads key/value head h // groups, as transformers' repeat_kv does."""
+    return x.unflatten(dim, (-1, rows)).repeat_interleave(groups, dim).flatten(dim, dim + 1).contiguous()
+
+
 def repeat_heads(x: torch.Tensor, config) -> torch.Tensor:
-    """[H_kv * hd, D] (or [H_kv * hd]) -> [H * hd, ...]: query head h reads kv head h // (H / H_kv), as
-    transformers' repeat_kv does."""
-    groups = config.num_attention_heads // config.num_key_value_heads
-    hd = config.head_dim
-    return x.unflatten(0, (-1, hd)).repeat_interleave(groups, dim=0).flatten(0, 1).contiguous()
+    """[H_kv * hd, D] (or [H_kv * hd]) -> [H * hd, ...]: the source's key/value heads for a per-head KDA layer."""
+    return repeat_blocks(x, config.num_attention_heads // config.num_key_value_heads, config.head_dim)
 
 
 # A KDA layer's tensors (names inside its self_attn) with one entry per key/value head along `dim`, each `rows` long
@@ -287,8 +290,7 @@ def expand_shared_kv(state_dict: dict, config):
         prefix, _, leaf = name.partition("self_attn.")
         if groups > 1 and prefix + "self_attn." in kda and leaf in KV_HEAD_TENSORS:
             dim, rows = KV_HEAD_TENSORS[leaf]
-            rows = config.linear_head_dim if rows == "head_dim" else rows
-            t = t.unflatten(dim, (-1, rows)).repeat_interleave(groups, dim).flatten(dim, dim + 1)
+            t = repeat_blocks(t, groups, config.linear_head_dim if rows == "head_dim" else rows, dim)
         out[name] = t
     return out, expanded
 

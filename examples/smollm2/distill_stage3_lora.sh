@@ -34,6 +34,7 @@ MILESTONES=${MILESTONES:-"125"}
 RANK=${RANK:-8}                          # rank 8 on SmolLM2: about 3.7 MB of factors beside the 59.7 MB of KDA layers
 LR=${LR:-1e-4}
 INHERITED=${INHERITED:-0.1}
+SAVE_EVERY=${SAVE_EVERY:-10}                # a checkpoint every ~7 min in fp32: a stop loses little
 # bf16 autocast where the CPU multiplies bf16 natively (AVX512-BF16 or AMX: 1.6x faster a step), else fp32 (elsewhere
 # bf16 products are emulated, up to 100x slower)
 PRECISION=${PRECISION:-$(python -c "from kda_hybrid.train.loop import cpu_has_native_bf16 as n; print('bf16' if n() else 'no')")}
@@ -48,7 +49,7 @@ fi
 [ -d "$START" ] || { echo "error: START=$START does not exist" >&2; exit 1; }
 OUT=$OUT CORPUS=$CORPUS DATA=$DATA THREADS=$THREADS FOLLOWUPS=$FOLLOWUPS FOLLOWUP_REPEAT=$FOLLOWUP_REPEAT \
     bash examples/smollm2/teacher_corpus_data.sh
-COMMON=(--data "$DATA" --seq-len 512 --batch-size 4 --micro-batch-size 1 --save-every 25 --threads "$THREADS"
+COMMON=(--data "$DATA" --seq-len 512 --batch-size 4 --micro-batch-size 1 --save-every "$SAVE_EVERY" --threads "$THREADS"
         --cpu --mixed-precision "$PRECISION" --resume --stage 2 --teacher "$TEACHER" --student "$START" --steps "$STEPS"
         --lr "$LR" --warmup 20 --eval-every 0 --seed 3 --trainable kda+norms --inherited-lr-ratio "$INHERITED")
 # shellcheck disable=SC2086  # the milestone list is meant to split

@@ -29,7 +29,7 @@ FOLLOWUP_REPEAT=${FOLLOWUP_REPEAT:-4}      # 576 conversations (130K teacher tok
 THREADS=${THREADS:-2}
 START=${START:-}
 STEPS=${STEPS:-250}                      # 4 rows x 512 tokens a step: 250 steps = 0.51M tokens (~20 s a step in bf16 on a CPU with
-                                         # AVX512-BF16, 22-30 s in fp32)
+                                         # AVX512-BF16, 22-34 s in fp32)
 MILESTONES=${MILESTONES:-"125"}
 RANK=${RANK:-8}                          # rank 8 on SmolLM2: about 3.7 MB of factors beside the 59.7 MB of KDA layers
 LR=${LR:-1e-4}

@@ -294,6 +294,10 @@ def parse_args(argv=None):
     p.add_argument("--lora-rank", type=int, default=0,
                    help="stage 2: LoRA adapters of this rank (0: none): on every linear layer (--trainable all, "
                         "which then trains nothing else), or on the inherited ones (--trainable kda / kda+norms)")
+    p.add_argument("--lora-lr-ratio", type=float, default=None,
+                   help="stage 2 with --lora-rank: the adapters at this multiple of --lr (default 1; adapters start "
+                        "at zero and a rank-R update moves the weights it wraps slowly, so LoRA is usually trained "
+                        "at several times the rate of whole weights)")
     p.add_argument("--calibrate-rows", type=int, default=0,
                    help="before training, scale each KDA head's output to the RMS of the teacher's attention head "
                         "on this many training rows (0: off; for a student fresh from the converter)")
@@ -317,6 +321,8 @@ def parse_args(argv=None):
         p.error("--inherited-lr-ratio takes a ratio in (0, 1] and applies to stage 2 with --trainable all (no "
                 "--lora-rank) or kda+norms: what trains of the inherited weights (--trainable kda freezes them; LoRA "
                 "adapters are new weights, at --lr)")
+    if args.lora_lr_ratio is not None and (not args.lora_rank or not args.lora_lr_ratio > 0):
+        p.error("--lora-lr-ratio takes a ratio > 0 and applies with --lora-rank (the adapters' learning rate)")
     if args.stage == 1 and args.lora_rank:
         p.error("--lora-rank applies to stage 2 (stage 1 trains the KDA layers whole)")
     if args.fsdp and args.lora_rank:
@@ -342,12 +348,14 @@ def main(argv=None) -> dict:
         return state["loss"](model, batch)
 
     lr_scale = None
-    if args.inherited_lr_ratio is not None:
-        def lr_scale(name: str) -> float:  # new weights (the KDA layers, LoRA adapters) at --lr
+    if args.inherited_lr_ratio is not None or args.lora_lr_ratio is not None:
+        def lr_scale(name: str) -> float:  # new weights at --lr: the KDA layers, LoRA adapters (x --lora-lr-ratio)
+            if ".lora_" in name:
+                return 1.0 if args.lora_lr_ratio is None else args.lora_lr_ratio
             layer = _layer_of(name)
-            new = ".lora_" in name or layer is not None and ".self_attn." in name and \
+            new = layer is not None and ".self_attn." in name and \
                 state["student"].config.layer_types[layer] == "linear_attention"
-            return 1.0 if new else args.inherited_lr_ratio
+            return 1.0 if new or args.inherited_lr_ratio is None else args.inherited_lr_ratio
 
     args.inherited_tokens = trained_tokens(args.student)  # the student's own training (stage 1 before stage 2)
     return fit(args, build, loss_fn=loss, lr_scale=lr_scale)

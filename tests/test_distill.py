@@ -369,15 +369,11 @@ def test_report_median_divergence_forced_agreement_and_chat_nll(tmp_path):
     assert got == pytest.approx(want, rel=1e-5)
 
 
-def test_report_measures_later_turns_of_conversations_apart(tmp_path):
-    """--heldout-followups: per held-out prompt the first sample that reached a later turn; the later turn's NLL,
-    greedy agreement and teacher-forced top-1 after the earlier turns (the teacher's own: 1.0; another model: its
-    figures beside); the single-turn figures are the same as a run without it; --keep beside a stored report of
-    single turns leaves its rows' later-turn cells empty."""
+def _report_inputs(tmp_path):
+    """A tiny teacher and student with the tokenizer, a data folder's held-out splits, two held-out chats."""
     from ._tokenizer import VOCAB_SIZE, tiny_tokenizer
     from .helpers import tiny_model
 
-    report = _report_module()
     folders = {}
     for name, seed in (("teacher", 0), ("student", 1)):
         folders[name] = tmp_path / name
@@ -392,6 +388,51 @@ def test_report_measures_later_turns_of_conversations_apart(tmp_path):
     chats = tmp_path / "chats.jsonl"
     chats.write_text("".join(json.dumps({"user": u, "assistant": a, "complete": True, "prompt": i, "sample": 0}) + "\n"
                              for i, (u, a) in enumerate([("Name a colour.", "Blue."), ("Say hi.", "Hi there.")])))
+    return folders, data, chats
+
+
+def test_report_writes_after_every_model_so_a_killed_run_keeps_its_rows(tmp_path, monkeypatch):
+    """--json is replaced (atomically) after every model: a run killed while loading the student leaves the
+    teacher's row and no temporary file; the student measured then with --keep gives the report of a whole run."""
+    report = _report_module()
+    folders, data, chats = _report_inputs(tmp_path)
+    threads = str(torch.get_num_threads())
+
+    def run(name, *extra):
+        return report.main(["--data", str(data), "--model", f"teacher={folders['teacher']}", "--model",
+                            f"student={folders['student']}", "--heldout-chats", str(chats), "--new-tokens", "4",
+                            "--seq-len", "64", "--json", str(tmp_path / name), "--threads", threads, *extra])
+
+    whole = run("whole.json")
+    load = report.load
+
+    def killed_at_the_student(folder):
+        if Path(folder).name == "student":
+            raise KeyboardInterrupt
+        return load(folder)
+
+    monkeypatch.setattr(report, "load", killed_at_the_student)
+    with pytest.raises(KeyboardInterrupt):
+        run("split.json")
+    assert list(json.loads((tmp_path / "split.json").read_text())["models"]) == ["teacher"]
+    assert [p.name for p in tmp_path.glob("split.json*")] == ["split.json"]
+    monkeypatch.setattr(report, "load", load)
+    rest = run("split.json", "--keep")
+    assert list(rest) == ["teacher", "student"]
+    for name in whole:
+        assert {k: v for k, v in rest[name].items() if k != "seconds"} == \
+            {k: v for k, v in whole[name].items() if k != "seconds"}
+    stored = json.loads((tmp_path / "split.json").read_text())
+    assert stored["table"] == json.loads((tmp_path / "whole.json").read_text())["table"]
+
+
+def test_report_measures_later_turns_of_conversations_apart(tmp_path):
+    """--heldout-followups: per held-out prompt the first sample that reached a later turn; the later turn's NLL,
+    greedy agreement and teacher-forced top-1 after the earlier turns (the teacher's own: 1.0; another model: its
+    figures beside); the single-turn figures are the same as a run without it; --keep beside a stored report of
+    single turns leaves its rows' later-turn cells empty."""
+    report = _report_module()
+    folders, data, chats = _report_inputs(tmp_path)
 
     def turn(prompt, sample, first, reply, history=True):
         h = [{"role": "user", "content": first}, {"role": "assistant", "content": reply}] if history else None

@@ -259,6 +259,42 @@ def check_inputs(p: argparse.ArgumentParser, args) -> dict[str, str]:
     return dict(pairs)
 
 
+def write_report(args, results: dict, names: list[str], chats: list, meta: dict, prose, code, prompts: int) -> str:
+    """The table of `results` (the teacher first) into --json with the run's settings; returns the table."""
+    base = results[names[0]]
+    chat_head = " NLL held-out chats (x teacher) |" if chats else ""
+    later = "nll_followup" in base  # the conversations' later turns: measured now, or kept with the teacher's
+    later_head = " later turns: NLL (x teacher) | later turns: agreement (median divergence) | later turns: top-1 |" \
+        if later else ""
+    lines = [f"| model | layers | NLL prose (x teacher) | NLL code (x teacher) |{chat_head} greedy agreement, first "
+             f"{args.new_tokens} tokens | identical prefix, mean / median | teacher-forced top-1 | cache at 32K "
+             f"(x teacher) |{later_head}", "|---|---|---|---|" + "---|" * bool(chats) + "---|---|---|---|"
+             + "---|" * 3 * later]
+    for name, r in results.items():
+        chat_cell = f" {r['nll_chat']:.3f} ({r['nll_chat'] / base['nll_chat']:.2f}) |" \
+            if chats and "nll_chat" in r and "nll_chat" in base else " - |" * bool(chats)
+        lines.append(f"| {name} | {r['layer_types'][:6]}... | "
+                     f"{r['nll_prose']:.3f} ({r['nll_prose'] / base['nll_prose']:.2f}) "
+                     f"| {r['nll_code']:.3f} ({r['nll_code'] / base['nll_code']:.2f}) |{chat_cell} "
+                     f"{r['agreement']:.1%} | {r['agreed_prefix']:.1f} / {r.get('median_first_divergence', 0):.0f} | "
+                     f"{r.get('forced_top1', float('nan')):.1%} | {format_bytes(r['cache_32k_bytes'])} "
+                     f"({r['cache_32k_bytes'] / base['cache_32k_bytes']:.2f}) |")
+        if later:
+            lines[-1] += f" {r['nll_followup']:.3f} ({r['nll_followup'] / base['nll_followup']:.2f}) | " \
+                f"{r['followup_agreement']:.1%} ({r['followup_median_divergence']:.0f}) | {r['followup_top1']:.1%} |" \
+                if "nll_followup" in r else " - | - | - |"
+    table = "\n".join(lines)
+    held_out = {"code_files": [n for n in meta["val"]["names"] if not n.startswith("pydoc_data/topics/")],
+                "prose_topics": [n for n in meta["val"]["names"] if n.startswith("pydoc_data/topics/")],
+                "code_tokens": int(code.size), "prose_tokens": int(prose.size)}
+    text = json.dumps({"models": results, "table": table, "prompts": prompts, "new_tokens": args.new_tokens,
+                       "held_out": held_out, "ppl_prose_teacher": math.exp(base["nll_prose"])}, indent=1) + "\n"
+    tmp = args.json.with_name(args.json.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(args.json)  # atomically: a kill leaves the last complete report
+    return table
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", type=Path, required=True, help="a prepare_data.py --pydoc folder")
@@ -333,38 +369,12 @@ def main(argv=None) -> dict:
         del model
         if stored is not None and name == names[0]:
             check_teacher(stored, results, name)  # before the other models' minutes
+        # after every model: a killed run keeps what it measured (run the rest again with --keep)
+        table = write_report(args, results if stored is None else kept(stored, results, names[0]), names, chats, meta,
+                             prose, code, len(prompts))
     if stored is not None:
         results = kept(stored, results, names[0])
-    base = results[names[0]]
-    chat_head = " NLL held-out chats (x teacher) |" if chats else ""
-    later = "nll_followup" in base  # the conversations' later turns: measured now, or kept with the teacher's
-    later_head = " later turns: NLL (x teacher) | later turns: agreement (median divergence) | later turns: top-1 |" \
-        if later else ""
-    lines = [f"| model | layers | NLL prose (x teacher) | NLL code (x teacher) |{chat_head} greedy agreement, first "
-             f"{args.new_tokens} tokens | identical prefix, mean / median | teacher-forced top-1 | cache at 32K "
-             f"(x teacher) |{later_head}", "|---|---|---|---|" + "---|" * bool(chats) + "---|---|---|---|"
-             + "---|" * 3 * later]
-    for name, r in results.items():
-        chat_cell = f" {r['nll_chat']:.3f} ({r['nll_chat'] / base['nll_chat']:.2f}) |" \
-            if chats and "nll_chat" in r and "nll_chat" in base else " - |" * bool(chats)
-        lines.append(f"| {name} | {r['layer_types'][:6]}... | "
-                     f"{r['nll_prose']:.3f} ({r['nll_prose'] / base['nll_prose']:.2f}) "
-                     f"| {r['nll_code']:.3f} ({r['nll_code'] / base['nll_code']:.2f}) |{chat_cell} "
-                     f"{r['agreement']:.1%} | {r['agreed_prefix']:.1f} / {r.get('median_first_divergence', 0):.0f} | "
-                     f"{r.get('forced_top1', float('nan')):.1%} | {format_bytes(r['cache_32k_bytes'])} "
-                     f"({r['cache_32k_bytes'] / base['cache_32k_bytes']:.2f}) |")
-        if later:
-            lines[-1] += f" {r['nll_followup']:.3f} ({r['nll_followup'] / base['nll_followup']:.2f}) | " \
-                f"{r['followup_agreement']:.1%} ({r['followup_median_divergence']:.0f}) | {r['followup_top1']:.1%} |" \
-                if "nll_followup" in r else " - | - | - |"
-    table = "\n".join(lines)
     print("\n" + table)
-    held_out = {"code_files": [n for n in meta["val"]["names"] if not n.startswith("pydoc_data/topics/")],
-                "prose_topics": [n for n in meta["val"]["names"] if n.startswith("pydoc_data/topics/")],
-                "code_tokens": int(code.size), "prose_tokens": int(prose.size)}
-    args.json.write_text(json.dumps({"models": results, "table": table, "prompts": len(prompts),
-                                     "new_tokens": args.new_tokens, "held_out": held_out,
-                                     "ppl_prose_teacher": math.exp(base["nll_prose"])}, indent=1) + "\n")
     if args.transcripts:
         chosen = args.transcript_models or [names[0], names[-1]]
         shown = prompts[:args.transcript_prompts] + conversations[:args.transcript_prompts]

@@ -259,9 +259,9 @@ def check_inputs(p: argparse.ArgumentParser, args) -> dict[str, str]:
     return dict(pairs)
 
 
-def write_report(args, results: dict, names: list[str], chats: list, meta: dict, prose, code, prompts: int) -> str:
+def write_report(args, results: dict, chats: list, meta: dict, prose, code, prompts: int) -> str:
     """The table of `results` (the teacher first) into --json with the run's settings; returns the table."""
-    base = results[names[0]]
+    base = next(iter(results.values()))
     chat_head = " NLL held-out chats (x teacher) |" if chats else ""
     later = "nll_followup" in base  # the conversations' later turns: measured now, or kept with the teacher's
     later_head = " later turns: NLL (x teacher) | later turns: agreement (median divergence) | later turns: top-1 |" \
@@ -367,13 +367,11 @@ def main(argv=None) -> dict:
               f"teacher-forced top-1 {r['forced_top1']:.3f}, cache at 32K {format_bytes(r['cache_32k_bytes'])}"
               f"{later} [{r['seconds']} s]", flush=True)
         del model
-        if stored is not None and name == names[0]:
-            check_teacher(stored, results, name)  # before the other models' minutes
-        # after every model: a killed run keeps what it measured (run the rest again with --keep)
-        table = write_report(args, results if stored is None else kept(stored, results, names[0]), names, chats, meta,
-                             prose, code, len(prompts))
-    if stored is not None:
-        results = kept(stored, results, names[0])
+        # after every model, so a killed run keeps what it measured (run the rest again with --keep); kept() checks
+        # the teacher, measured first, before the other models' minutes
+        rows = results if stored is None else kept(stored, results, names[0])
+        table = write_report(args, rows, chats, meta, prose, code, len(prompts))
+    results = rows
     print("\n" + table)
     if args.transcripts:
         chosen = args.transcript_models or [names[0], names[-1]]
